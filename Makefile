@@ -1,0 +1,45 @@
+# Thin aliases; the README explains each. Everything runs from the repository root.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# llama.cpp's native build crashed in decode on AMX/AVX-512 CPUs; this portable x86-64 set works.
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install bins run serve test unit lint bench up down env clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[runtime,cpu,operator,dev]'
+	touch $@
+
+install: $(VENV)/.installed  ## Python environment with every extra except sglang
+
+bins:  ## control-plane binaries from Go modules (cached under ~/.cache/tally)
+	hack/build.sh
+
+serve: install  ## the runtime alone on 127.0.0.1:8000 with the embedded CPU model
+	$(VENV)/bin/tally-runtime serve
+
+run: serve  ## the main job
+
+test: install bins  ## everything CI runs
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest
+
+unit: install
+	$(PY) -m pytest tests/unit tests/contract
+
+lint: install
+	$(PY) -m ruff check . && $(PY) -m mypy
+
+up: bins
+	hack/cluster.sh up
+
+down:
+	hack/cluster.sh down
+
+env:
+	hack/cluster.sh env

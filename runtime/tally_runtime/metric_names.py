@@ -1,0 +1,34 @@
+"""Usage-health metric names: the contract between the runtime (exports) and the operator (scrapes).
+
+Imports nothing, so the operator can depend on it without the runtime's dependencies.
+Counters are exposed with Prometheus' `_total` suffix on the wire.
+"""
+
+PREFIX = "tally"
+
+REQUESTS = f"{PREFIX}_requests"  # counter{endpoint, outcome, finish_reason}
+PROMPT_TOKENS = f"{PREFIX}_prompt_tokens"  # counter, engine-sourced
+COMPLETION_TOKENS = f"{PREFIX}_completion_tokens"  # counter, engine-sourced
+CACHED_TOKENS = f"{PREFIX}_cached_tokens"  # counter, engine-sourced
+USAGE_MISMATCHES = f"{PREFIX}_usage_mismatches"  # counter: engine count != ids streamed
+DERIVED_USAGE_REQUESTS = f"{PREFIX}_derived_usage_requests"  # counter: engine reported no usage
+STREAM_MODE = f"{PREFIX}_stream_mode"  # gauge{mode}: 1 for the mode in force
+INFLIGHT_GENERATIONS = f"{PREFIX}_inflight_generations"  # gauge
+TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = f"{PREFIX}_inter_token_latency_seconds"  # histogram, observed per token
+E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"  # histogram
+ENGINE_HEALTHY = f"{PREFIX}_engine_healthy"  # gauge: 1 when the engine can generate
+
+# Label values
+OUTCOME_OK = "ok"  # finished normally (stop or length)
+OUTCOME_ABORTED = "aborted"  # the client went away
+OUTCOME_ERROR = "error"  # the engine failed mid-request
+OUTCOME_INVALID = "invalid"  # rejected before generating (4xx)
+OUTCOME_OVERLOADED = "overloaded"  # rejected with 503
+
+STREAM_MODES = ("incremental", "cumulative")
+
+
+def sample_name(counter: str) -> str:
+    """The name a counter's sample carries in the text exposition."""
+    return f"{counter}_total"

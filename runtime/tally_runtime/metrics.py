@@ -1,0 +1,74 @@
+"""Prometheus series of one runtime process, in a registry owned by the app (no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tally_runtime import metric_names as n
+from tally_runtime.usage import RequestUsage
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            n.REQUESTS, "Requests by endpoint, outcome and finish reason",
+            ["endpoint", "outcome", "finish_reason"], registry=r,
+        )
+        self.prompt_tokens = Counter(n.PROMPT_TOKENS, "Prompt tokens, as the engine counted them", registry=r)
+        self.completion_tokens = Counter(
+            n.COMPLETION_TOKENS, "Completion tokens, as the engine counted them", registry=r
+        )
+        self.cached_tokens = Counter(n.CACHED_TOKENS, "Prompt tokens served from the prefix cache", registry=r)
+        self.mismatches = Counter(
+            n.USAGE_MISMATCHES, "Choices whose engine completion count differs from the ids streamed", registry=r
+        )
+        self.derived = Counter(
+            n.DERIVED_USAGE_REQUESTS, "Requests whose usage was counted by us: the engine reported none", registry=r
+        )
+        self.stream_mode = Gauge(n.STREAM_MODE, "1 for the engine's stream mode in force", ["mode"], registry=r)
+        self.inflight = Gauge(n.INFLIGHT_GENERATIONS, "Generations running in the engine", registry=r)
+        self.ttft = Histogram(n.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            n.INTER_TOKEN_LATENCY, "Latency per generated token after the first", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(n.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
+        for mode in n.STREAM_MODES:
+            self.stream_mode.labels(mode).set(0)
+
+    def set_stream_mode(self, mode: str) -> None:
+        for known in n.STREAM_MODES:
+            self.stream_mode.labels(known).set(1 if known == mode else 0)
+
+    def record_request(self, endpoint: str, outcome: str, finish_reason: str) -> None:
+        self.requests.labels(endpoint, outcome, finish_reason).inc()
+
+    def record_usage(self, usage: RequestUsage) -> None:
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+        if usage.cached_tokens:
+            self.cached_tokens.inc(usage.cached_tokens)
+        if usage.mismatched_choices:
+            self.mismatches.inc(usage.mismatched_choices)
+        if usage.derived:
+            self.derived.inc()
+
+    def observe_tokens(self, gap_seconds: float, tokens: int) -> None:
+        """A chunk of `tokens` tokens arrived `gap_seconds` after the previous one: per-token latency."""
+        if tokens <= 0:
+            return
+        per_token = gap_seconds / tokens
+        for _ in range(tokens):
+            self.itl.observe(per_token)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""OpenAI wire models for requests, named as the OpenAI API names them, and the error envelope.
+
+Requests are validated here before the first byte is sent; every rejection is an `ApiError`
+that names the offending parameter. Response chunks are plain dicts built in `streaming.py`
+(cheaper than models on the hot path).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_SEQUENCES = 4
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """An error response in the OpenAI envelope: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _default_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat. Unknown fields are accepted (benchmark clients send them)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(value)}")
+        return value
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(s for s in stops if s)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=20)
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_json_body(raw: bytes, content_type: str | None) -> Any:
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(400, f"Content-Type must be application/json, not {media or 'missing'!r}")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise ApiError(400, f"The request body is not valid JSON: {err}") from None
+
+
+def validated(model: type[M], body: Any) -> M:
+    """Validate a parsed body, turning the first pydantic error into a 400 naming its parameter."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(part) for part in first["loc"] if not _is_union_branch(part)]
+        param = ".".join(loc) or None
+        message = first["msg"]
+        if first["type"] == "missing":
+            message = f"Missing required parameter: {param!r}"
+        elif param:
+            message = f"Invalid value for {param!r}: {message}"
+        raise ApiError(400, message, param=param, code="invalid_value") from None
+
+
+def _is_union_branch(part: object) -> bool:
+    # pydantic puts the tried union member ("str", "list[int]", ...) into the location
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "none"})

@@ -1,0 +1,1 @@
+"""HTTP routes: a few lines each, delegating to the serving modules."""

@@ -1,0 +1,23 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tally_runtime.protocol import CompletionRequest, parse_json_body, validated
+from tally_runtime.routes.respond import respond
+from tally_runtime.serving import Job, COMPLETIONS, Server
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    server: Server = request.app.state.server
+
+    async def prepare() -> Job:
+        body = parse_json_body(await request.body(), request.headers.get("content-type"))
+        return server.prepare_completion(validated(CompletionRequest, body))
+
+    return await respond(request, server, COMPLETIONS, prepare)

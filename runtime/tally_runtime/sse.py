@@ -1,0 +1,30 @@
+"""Bytes on the wire: exactly `data: <json>` LF LF per event, `data: [DONE]` last, no comments or pings.
+
+Benchmark clients split on LF LF and strip a literal "data: " (OPENAI_PROTOCOL.md §0, §6.1), so the
+framing is built here by hand rather than by an SSE library with other defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+
+STREAM_HEADERS = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+MEDIA_TYPE = "text/event-stream"
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    """One event. orjson never emits raw newlines, NaN or Infinity (it writes null for non-finite floats)."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def error_event(message: str, error_type: str = "server_error", code: int | str | None = 500) -> bytes:
+    """An in-band error after the first byte; openai-python raises APIError on it. [DONE] follows."""
+    return event({"error": {"message": message, "type": error_type, "param": None, "code": code}})
