@@ -28,7 +28,6 @@ from tally_runtime.engine.base import (
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
-    TokenLogprob,
 )
 from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -231,7 +230,8 @@ class Run:
         self.job = job
         self.usage = [ChoiceUsage(i, i // job.n, len(job.prompts[i // job.n])) for i in range(job.generations)]
         self.started = time.monotonic()
-        self.last_token_at: float | None = None
+        self.first_token_seen = False
+        self.last_token_at: dict[int, float] = {}  # per choice: inter-token latency is per choice
         self.first: tuple[int, Delta] | None = None
         self.events: AsyncIterator[tuple[int, Delta]] = merge_choices(server.engine, job.requests())
         self.outcome = names.OUTCOME_ABORTED
@@ -261,12 +261,15 @@ class Run:
             raise EngineError("The engine aborted the generation", 500)
         if delta.token_ids:
             now = time.monotonic()
-            if self.last_token_at is None:
+            if not self.first_token_seen:
+                self.first_token_seen = True
                 self.server.metrics.ttft.observe(now - self.started)
-                self.server.metrics.observe_tokens(0.0, len(delta.token_ids) - 1)
+            previous = self.last_token_at.get(index)
+            if previous is None:  # a choice's first token has no inter-token gap
+                self.server.metrics.observe_tokens(now - self.started, len(delta.token_ids) - 1)
             else:
-                self.server.metrics.observe_tokens(now - self.last_token_at, len(delta.token_ids))
-            self.last_token_at = now
+                self.server.metrics.observe_tokens(now - previous, len(delta.token_ids))
+            self.last_token_at[index] = now
         if delta.finish_reason is not None:
             self.finish_reason = str(delta.finish_reason)
         return index, delta
@@ -364,24 +367,24 @@ async def merge_choices(engine: Engine, requests: Sequence[GenerationRequest]) -
             async for delta in only:
                 yield 0, delta
         return
-    queue: asyncio.Queue[tuple[int, Delta | None, BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Delta | Exception]] = asyncio.Queue()
 
     async def pump(index: int, request: GenerationRequest) -> None:
         try:
             async with aclosing(engine.generate(request)) as deltas:  # type: ignore[type-var]
                 async for delta in deltas:
-                    queue.put_nowait((index, delta, None))
+                    queue.put_nowait((index, delta))
         except Exception as err:
-            queue.put_nowait((index, None, err))
+            queue.put_nowait((index, err))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
         remaining = len(tasks)
         while remaining:
-            index, delta, error = await queue.get()
-            if error is not None:
-                raise error
-            assert delta is not None
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            delta = item
             if delta.finish_reason is not None:
                 remaining -= 1
             yield index, delta
@@ -389,7 +392,3 @@ async def merge_choices(engine: Engine, requests: Sequence[GenerationRequest]) -
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def logprob_list(items: Sequence[TokenLogprob] | None) -> list[TokenLogprob] | None:
-    return list(items) if items is not None else None

@@ -172,9 +172,9 @@ class LlamaCppEngine:
         params = request.sampling
         prompt = list(request.prompt_ids)
         cached = _reused_prefix(llama, prompt)
-        counts = {"prompt_tokens": len(prompt), "cached_tokens": cached}
         if params.max_tokens == 0:
-            yield Delta(completion_tokens=0, finish_reason=FinishReason.LENGTH, **counts)
+            yield Delta(prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=0,
+                        finish_reason=FinishReason.LENGTH)
             return
         llama.set_seed(params.seed if params.seed is not None else random.getrandbits(32))
         step = _Step()
@@ -207,8 +207,8 @@ class LlamaCppEngine:
                 if finish is not None and not stops.stopped:
                     emitted += stops.feed(decoder.decode(b"", final=True)) + stops.flush()
                 logprobs = self._token_logprob(llama, token, step, params) if step.logprobs is not None else None
-                yield Delta(text=emitted, token_ids=(token,), logprobs=logprobs,
-                            completion_tokens=generated[0], finish_reason=finish, **counts)
+                yield Delta(text=emitted, token_ids=(token,), logprobs=logprobs, prompt_tokens=len(prompt),
+                            cached_tokens=cached, completion_tokens=generated[0], finish_reason=finish)
                 if finish is not None:
                     return
         finally:

@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from tally_runtime.protocol import CompletionRequest, parse_json_body, validated
 from tally_runtime.routes.respond import respond
-from tally_runtime.serving import Job, COMPLETIONS, Server
+from tally_runtime.serving import COMPLETIONS, Job, Server
 
 router = APIRouter()
 

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import pytest
+
+from tally_runtime.settings import Settings, settings_from
+
+
+def test_defaults() -> None:
+    assert settings_from([], {}) == Settings()
+
+
+def test_flags_win_over_environment() -> None:
+    settings = settings_from(["--port", "9001", "--force-include-usage"],
+                             {"TALLY_PORT": "9000", "TALLY_CONTEXT_LENGTH": "1024", "TALLY_ENGINE_ARGS": "--a 1"})
+    assert settings.port == 9001 and settings.context_length == 1024
+    assert settings.force_include_usage is True and settings.engine_args == ("--a", "1")
+
+
+@pytest.mark.parametrize(("argv", "env"), [
+    pytest.param(["--engine", "tpu"], {}, id="engine"),
+    pytest.param(["--port", "0"], {}, id="port"),
+    pytest.param([], {"TALLY_FORCE_INCLUDE_USAGE": "maybe"}, id="bool-env"),
+    pytest.param(["--max-concurrent-generations", "0"], {}, id="slots"),
+])
+def test_bad_settings_exit_with_usage(argv: list[str], env: dict[str, str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        settings_from(argv, env)
+    assert caught.value.code == 2
