@@ -5,6 +5,7 @@
 #   hack/cluster.sh up     start it (idempotent: a healthy cluster is left as it is)
 #   hack/cluster.sh down   stop every process and delete the cluster's state
 #   hack/cluster.sh env    print `export KUBECONFIG=...` for this cluster
+#   hack/cluster.sh status exit 0 when the cluster is up and ready
 #
 # Everything binds and advertises 127.0.0.1 (CONTROL_PLANE.md §3.6). State and logs live in
 # $TALLY_CLUSTER_DIR (default: .tally/cluster in the repository).
@@ -194,5 +195,6 @@ case ${1:-} in
   up) up ;;
   down) down ;;
   env) env_line ;;
-  *) echo "usage: $0 up|down|env" >&2; exit 2 ;;
+  status) alive kube-apiserver && api_ready ;;
+  *) echo "usage: $0 up|down|env|status" >&2; exit 2 ;;
 esac

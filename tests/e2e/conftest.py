@@ -1,0 +1,37 @@
+"""Session fixtures for end-to-end tests: one real control plane per run, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up
+
+
+@pytest.fixture(scope="session")
+def kube_env() -> Iterator[dict[str, str]]:
+    """Reuse a cluster that is already up (and leave it up); otherwise start one and stop it afterwards."""
+    was_up = cluster_is_up()
+    env = cluster_env()
+    yield env
+    if not was_up:
+        cluster_down()
+
+
+@pytest.fixture(scope="session")
+def kubectl(kube_env: dict[str, str]) -> Kubectl:
+    return Kubectl(kube_env)
+
+
+@pytest.fixture
+def namespace(kubectl: Kubectl) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def kube(kubectl: Kubectl, namespace: str) -> Kubectl:
+    return kubectl.in_namespace(namespace)

@@ -1,0 +1,72 @@
+"""The local control plane for tests: bring it up once (or reuse it), run kubectl, poll with deadlines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+HACK = ROOT / "hack"
+
+
+def cluster_is_up() -> bool:
+    return subprocess.run([str(HACK / "cluster.sh"), "status"], capture_output=True, timeout=60).returncode == 0
+
+
+def cluster_down() -> None:
+    subprocess.run([str(HACK / "cluster.sh"), "down"], check=True, timeout=120)
+
+
+def cluster_env() -> dict[str, str]:
+    """Bring the cluster up (idempotent) and return an environment that points kubectl and helm at it."""
+    subprocess.run([str(HACK / "cluster.sh"), "up"], check=True, timeout=600)
+    kubeconfig = subprocess.run([str(HACK / "cluster.sh"), "env"], check=True, capture_output=True, text=True,
+                                timeout=60).stdout.strip().split("=", 1)[1]
+    bin_dir = subprocess.run([str(HACK / "build.sh"), "--print"], check=True, capture_output=True, text=True,
+                             timeout=60).stdout.strip()
+    return {**os.environ, "KUBECONFIG": kubeconfig, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+class Kubectl:
+    def __init__(self, env: dict[str, str], namespace: str | None = None) -> None:
+        self.env = env
+        self.namespace = namespace
+
+    def __call__(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
+        ns = ["-n", self.namespace] if self.namespace else []
+        done = subprocess.run(["kubectl", *ns, *args], input=stdin, capture_output=True, text=True,
+                              env=self.env, timeout=120)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed: {done.stderr}")
+        return done.stdout
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self(*args, "-o", "json"))
+
+    def apply(self, manifest: dict[str, Any] | str) -> str:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        return self("apply", "-f", "-", stdin=text)
+
+    def in_namespace(self, namespace: str) -> Kubectl:
+        return Kubectl(self.env, namespace)
+
+
+def eventually(check: Callable[[], Any], deadline: float, interval: float = 0.25, what: str = "condition") -> Any:
+    """Poll `check` until it returns something truthy; fail with the last value after `deadline` seconds."""
+    end = time.monotonic() + deadline
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            last = check()
+        except (RuntimeError, KeyError, IndexError, ValueError) as err:
+            last = err
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached in {deadline}s; last: {last!r}")
