@@ -23,6 +23,11 @@ class Settings:
     force_include_usage: bool = False
     allow_cumulative_stream: bool = False
     cpu_threads: int = 0  # 0: all cores
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mem_fraction_static: float = 0.0  # 0: SGLang's default
+    max_running_requests: int = 0  # 0: SGLang's default
+    trust_remote_code: bool = False
     log_level: str = "info"
     engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
 
@@ -39,8 +44,13 @@ _HELP: dict[str, str] = {
     "force_include_usage": "send the final usage chunk on every stream, asked for or not",
     "allow_cumulative_stream": "serve even if SGLang streams cumulatively (deltas are still correct)",
     "cpu_threads": "threads per llama.cpp decode step; 0 uses every core",
+    "tensor_parallel_size": "SGLang tensor parallel size (GPUs per model replica)",
+    "data_parallel_size": "SGLang data parallel size",
+    "mem_fraction_static": "SGLang fraction of GPU memory for weights and KV cache; 0 keeps SGLang's default",
+    "max_running_requests": "SGLang limit on running requests; 0 keeps SGLang's default",
+    "trust_remote_code": "let SGLang run model code shipped with the checkpoint",
     "log_level": "uvicorn and runtime log level",
-    "engine_args": "extra SGLang server arguments, e.g. --engine-args='--mem-fraction-static 0.8'",
+    "engine_args": "extra SGLang server arguments, e.g. --engine-args='--stream-interval 2'",
 }
 
 
@@ -62,6 +72,8 @@ def _convert(name: str, default: Any, text: str) -> Any:
         return _parse_bool(text)
     if isinstance(default, int):
         return int(text)
+    if isinstance(default, float):
+        return float(text)
     if isinstance(default, tuple):
         return tuple(text.split())
     return text
@@ -98,6 +110,8 @@ def validate(settings: Settings) -> str:
         return f"--context-length must be at least 16, not {settings.context_length}"
     if settings.max_concurrent_generations < 1:
         return "--max-concurrent-generations must be at least 1"
+    if not 0.0 <= settings.mem_fraction_static < 1.0:
+        return "--mem-fraction-static must be in [0, 1)"
     if settings.cpu_threads < 0:
         return "--cpu-threads must be 0 (all cores) or more"
     return ""
@@ -118,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         elif isinstance(default, int):
             parser.add_argument(flag, dest=f.name, type=int, metavar="N", help=help_text)
+        elif isinstance(default, float):
+            parser.add_argument(flag, dest=f.name, type=float, metavar="X", help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, metavar=f.name.split("_")[-1].upper(), help=help_text)
     return parser

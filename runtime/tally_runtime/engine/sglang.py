@@ -1,0 +1,234 @@
+"""SGLang adapter: an in-process `sglang.Engine` with incremental streaming on, checked before serving.
+
+`sglang` is imported lazily (extra `sglang`), so nothing else needs it. Start-up: detect the generation,
+construct the Engine with the streaming switch as a constructor argument, read back the effective mode,
+then run a behavioural probe. `/health` stays 503 with the reason unless SGLang streams incrementally or
+cumulative mode was explicitly allowed (then deltas are still computed correctly and `/metrics` says
+`cumulative`). All engine calls stay on the serving event loop (SGLANG_CONTRACT.md §6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.metadata
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from tally_runtime.engine import sglang_compat as compat
+from tally_runtime.engine.base import (
+    Delta,
+    EngineError,
+    EngineInfo,
+    GenerationRequest,
+    Health,
+    InvalidRequestError,
+    SamplingParams,
+    StreamMode,
+)
+from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation, StreamShape
+from tally_runtime.settings import Settings
+
+log = logging.getLogger("tally_runtime.engine.sglang")
+
+PROBE_TOKENS = 8
+PROBE_TIMEOUT_SECONDS = 120.0
+
+
+def sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """OpenAI sampling in SGLang's terms; max_new_tokens is always passed (SGLang's default is 128)."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "ignore_eos": params.ignore_eos,
+        "min_new_tokens": params.min_tokens,
+        "skip_special_tokens": True,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def base_kwargs(settings: Settings) -> dict[str, Any]:
+    """Engine arguments from our settings plus the pass-through ones (already parsed to keyword form)."""
+    if not settings.model_path:
+        raise ValueError("--model-path is required with --engine sglang (an HF checkpoint directory)")
+    kwargs: dict[str, Any] = {
+        "model_path": settings.model_path,
+        "served_model_name": settings.served_model_name,
+        "context_length": settings.context_length,
+        "tp_size": settings.tensor_parallel_size,
+        "dp_size": settings.data_parallel_size,
+        "trust_remote_code": settings.trust_remote_code,
+        "enable_metrics": True,
+        "enable_cache_report": True,
+        "log_level": settings.log_level,
+    }
+    if settings.mem_fraction_static:
+        kwargs["mem_fraction_static"] = settings.mem_fraction_static
+    if settings.max_running_requests:
+        kwargs["max_running_requests"] = settings.max_running_requests
+    return kwargs
+
+
+def parse_pass_through(server_args_cls: Any, args: Sequence[str]) -> dict[str, Any]:
+    """Turn pass-through CLI arguments into constructor arguments with SGLang's own parser."""
+    import argparse
+
+    if not args:
+        return {}
+    parser = argparse.ArgumentParser(prog="sglang", add_help=False)
+    server_args_cls.add_cli_args(parser)
+    defaults = vars(parser.parse_args(["--model-path", "unused"]))
+    given = vars(parser.parse_args(["--model-path", "unused", *args]))
+    return {k: v for k, v in given.items() if v != defaults.get(k) and k != "model_path"}
+
+
+class SGLangEngine:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._engine: Any = None
+        self._shape = StreamShape(ids_cumulative=False, text_cumulative=False)
+        self._health = Health(False, "engine is starting")
+        self._tokenizer: Any = None
+        self.generation: compat.Generation | None = None
+
+    # ---- lifecycle
+
+    async def start(self) -> EngineInfo:
+        sglang = importlib.import_module("sglang")
+        server_args_cls = importlib.import_module("sglang.srt.server_args").ServerArgs
+        version = str(getattr(sglang, "__version__", "") or importlib.metadata.version("sglang"))
+        self.generation = compat.detect_generation(server_args_cls, version)
+        passed = compat.split_engine_args(self.settings.engine_args)
+        kwargs = compat.engine_kwargs(
+            server_args_cls, {**base_kwargs(self.settings), **parse_pass_through(server_args_cls, passed.args)},
+        )
+        log.info("Starting SGLang %s (generation %s) with %s=True", version, self.generation,
+                 compat.streaming_field(server_args_cls))
+        self._engine = sglang.Engine(**kwargs)
+        manager = self._engine.tokenizer_manager
+        self._tokenizer = manager.tokenizer
+        declared = compat.expected_shape(self.generation, incremental=True)
+        effective = compat.effective_incremental(self._engine, _get_serving())
+        probed = await self._probe(declared)
+        # The probe sees ids and text; logprob slicing follows the generation when ids and text are as declared.
+        as_declared = (probed.ids_cumulative, probed.text_cumulative) == (declared.ids_cumulative,
+                                                                          declared.text_cumulative)
+        cumulative_lists = declared.logprobs_cumulative if as_declared else probed.ids_cumulative
+        self._shape = StreamShape(probed.ids_cumulative, probed.text_cumulative, cumulative_lists)
+        self._health = self._verdict(declared, effective, probed)
+        # "incremental" = the switch is in force: the generation streams what it streams with it on
+        # (generations A/B keep cumulative text even then; the adapter slices it).
+        mode = StreamMode.INCREMENTAL if as_declared and effective is not False else StreamMode.CUMULATIVE
+        return EngineInfo(
+            model_path=self.settings.model_path, context_length=int(manager.context_len),
+            vocab_size=int(getattr(manager.model_config, "vocab_size", 0) or len(self._tokenizer)),
+            stream_mode=mode, engine_kind=f"sglang-{version}",
+            extra={"generation": str(self.generation)},
+        )
+
+    def _verdict(self, declared: StreamShape, effective: bool | None, probed: StreamShape) -> Health:
+        if effective is False:
+            reason = "SGLang reports incremental streaming off although it was requested"
+        elif (probed.ids_cumulative, probed.text_cumulative) != (declared.ids_cumulative, declared.text_cumulative):
+            reason = (f"SGLang streams ids {'cumulatively' if probed.ids_cumulative else 'as deltas'} and text "
+                      f"{'cumulatively' if probed.text_cumulative else 'as deltas'}, not as generation "
+                      f"{self.generation} with incremental streaming does")
+        else:
+            return Health(True)
+        if self.settings.allow_cumulative_stream:
+            log.warning("%s; serving anyway (cumulative streaming allowed)", reason)
+            return Health(True)
+        log.error("%s; /health stays 503", reason)
+        return Health(False, reason)
+
+    async def _probe(self, declared: StreamShape) -> StreamShape:
+        """Stream a few greedy tokens and look at what actually arrives (§1.4-5)."""
+        ids = self.tokenize("The quick brown fox")
+        params = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
+        items: list[compat.ProbeItem] = []
+        generator = await self._engine.async_generate(
+            input_ids=ids, sampling_params=sampling_params(params), stream=True, rid="tally-probe.")
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_SECONDS):
+                async for item in generator:
+                    meta = item.get("meta_info") or {}
+                    items.append(compat.ProbeItem(item.get("text") or "", tuple(item.get("output_ids") or ()),
+                                                  int(meta.get("completion_tokens") or 0)))
+        finally:
+            await generator.aclose()
+        return compat.probe_shape(items)
+
+    async def stop(self) -> None:
+        self._health = Health(False, "engine stopped")
+        if self._engine is not None:
+            self._engine.shutdown()
+
+    def health(self) -> Health:
+        return self._health
+
+    @property
+    def shape(self) -> StreamShape:
+        return self._shape
+
+    # ---- text
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids)))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        return str(self._tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
+
+    # ---- generation
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        params = request.sampling
+        want_logprobs = params.logprobs is not None
+        generator = await self._engine.async_generate(
+            input_ids=list(request.prompt_ids), sampling_params=sampling_params(params), stream=True,
+            return_logprob=want_logprobs, top_logprobs_num=(params.logprobs or 0) if want_logprobs else None,
+            rid=request.request_id,
+        )
+        stream = ChoiceStream(self._shape, lambda token: self.detokenize([token]), want_logprobs)
+        started = False
+        try:
+            async for item in generator:
+                started = True
+                delta = stream.convert(item)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        except ValueError as err:  # SGLang validates on the first iteration (§2)
+            if not started:
+                raise InvalidRequestError(str(err)) from None
+            raise EngineError(str(err)) from None
+        except StreamModeViolation as err:
+            self._health = Health(False, err.message)
+            raise
+        finally:
+            await generator.aclose()  # aborts the request in SGLang if it is still running
+
+
+def _get_serving() -> Any:
+    try:
+        return importlib.import_module("sglang.srt.runtime_context").get_serving
+    except (ImportError, AttributeError):
+        return None
+
+
+def multiprocess_dir() -> str | None:
+    """Where SGLang's Prometheus multiprocess files are, if it exports metrics."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -1,0 +1,126 @@
+"""PURE: SGLang stream items -> normalized deltas (SGLANG_CONTRACT.md §8), for either streaming mode.
+
+Text and ids are handled independently, because generations A/B stream cumulative text even when ids
+are deltas. Ids are clamped by the engine's cumulative `completion_tokens`, which also drops the
+duplicated last id of an abort-in-waiting-queue item. If items arrive cumulative while we were told
+they are incremental (the bug that duplicated text and inflated usage elsewhere), the stream fails
+loudly instead of relaying it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tally_runtime.engine.base import Delta, EngineError, FinishReason, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class StreamShape:
+    """What SGLang sends in this process: per field, cumulative (whole output so far) or delta."""
+
+    ids_cumulative: bool
+    text_cumulative: bool
+    logprobs_cumulative: bool = False  # output logprob lists; sliced per chunk only in 0.5.16+ incremental mode
+
+    @property
+    def incremental(self) -> bool:
+        return not (self.ids_cumulative or self.text_cumulative)
+
+
+class StreamModeViolation(EngineError):
+    """SGLang sent cumulative output where the adapter was told to expect deltas."""
+
+
+@dataclass(slots=True)
+class ChoiceStream:
+    shape: StreamShape
+    piece: Callable[[int], str]  # token id -> text, for logprob entries SGLang leaves without text
+    want_logprobs: bool = False
+    ids_emitted: int = 0
+    text_emitted: int = 0  # characters, for cumulative text
+    logprobs_emitted: int = 0  # entries, for cumulative logprob lists
+
+    def convert(self, item: Mapping[str, Any]) -> Delta:
+        meta: Mapping[str, Any] = item.get("meta_info") or {}
+        finish = meta.get("finish_reason")
+        completion = meta.get("completion_tokens")
+        waiting_abort = _is_waiting_queue_abort(meta)
+        ids = self._delta_ids(list(item.get("output_ids") or []), completion, waiting_abort)
+        text = self._delta_text(item.get("text") or "", waiting_abort)
+        logprobs = self._delta_logprobs(meta) if self.want_logprobs else None
+        self.ids_emitted += len(ids)
+        return Delta(
+            text=text,
+            token_ids=tuple(ids),
+            logprobs=logprobs,
+            prompt_tokens=meta.get("prompt_tokens"),
+            completion_tokens=completion,
+            cached_tokens=meta.get("cached_tokens"),
+            reasoning_tokens=meta.get("reasoning_tokens") or None,
+            finish_reason=finish_reason(finish),
+        )
+
+    def _delta_ids(self, raw: list[int], completion: int | None, waiting_abort: bool) -> list[int]:
+        ids = raw[self.ids_emitted:] if self.shape.ids_cumulative else raw
+        if completion is None:
+            return ids
+        room = max(0, completion - self.ids_emitted)
+        if not self.shape.ids_cumulative and not waiting_abort and len(ids) > room:
+            raise StreamModeViolation(
+                f"SGLang sent {len(ids)} token ids where {room} were new: it is streaming cumulatively "
+                "although incremental streaming was verified; refusing to relay duplicated output"
+            )
+        return ids[:room]
+
+    def _delta_text(self, text: str, waiting_abort: bool) -> str:
+        if self.shape.text_cumulative:
+            delta = text[self.text_emitted:]
+            self.text_emitted = max(self.text_emitted, len(text))
+            return delta
+        # An abort-in-waiting-queue item carries the full accumulated text even in incremental mode.
+        return "" if waiting_abort else text
+
+    def _delta_logprobs(self, meta: Mapping[str, Any]) -> tuple[TokenLogprob, ...]:
+        tokens: Sequence[Any] = meta.get("output_token_logprobs") or ()
+        tops: Sequence[Any] = meta.get("output_top_logprobs") or ()
+        if self.shape.logprobs_cumulative:
+            tokens, tops = tokens[self.logprobs_emitted:], tops[self.logprobs_emitted:]
+        self.logprobs_emitted += len(tokens)
+        out = []
+        for i, (logprob, token_id, text) in enumerate(tokens):
+            alternatives = tops[i] if i < len(tops) and tops[i] else ()
+            out.append(TokenLogprob(
+                token=text if text is not None else self.piece(token_id),
+                logprob=_finite(logprob),
+                top=tuple((t if t is not None else self.piece(tid), _finite(lp)) for lp, tid, t in alternatives),
+            ))
+        return tuple(out)
+
+
+def finish_reason(finish: Mapping[str, Any] | None) -> FinishReason | None:
+    """Map SGLang's finish dict; an abort that carries an HTTP status is the request's error."""
+    if not finish:
+        return None
+    kind = finish.get("type")
+    if kind == "stop":
+        return FinishReason.STOP
+    if kind == "length":
+        return FinishReason.LENGTH
+    status = finish.get("status_code")
+    if status is not None:
+        raise EngineError(str(finish.get("message") or "SGLang aborted the request"), int(status))
+    return FinishReason.ABORT
+
+
+def _is_waiting_queue_abort(meta: Mapping[str, Any]) -> bool:
+    """`_handle_abort_req` items lack prompt counts (SGLANG_CONTRACT.md §2.5)."""
+    finish = meta.get("finish_reason") or {}
+    return finish.get("type") == "abort" and "prompt_tokens" not in meta
+
+
+def _finite(value: float | None) -> float:
+    if value is None:
+        return -9999.0
+    return max(float(value), -9999.0)

