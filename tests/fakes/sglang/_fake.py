@@ -165,7 +165,6 @@ class _Model:
         self.eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         eos = self.llama.detokenize([self.llama.token_eos()], special=True).decode()
         self.chat = Jinja2ChatFormatter(self.llama.metadata["tokenizer.chat_template"], eos_token=eos, bos_token="")
-        self.lock = asyncio.Lock()
 
     @classmethod
     def get(cls) -> _Model:
@@ -217,6 +216,7 @@ class TokenizerManager:
         if current().generation in "CD":  # the cached value the TM uses (0.5.16+)
             self.incremental_streaming_output = bool(engine.server_args.incremental_streaming_output)
         self.seen_prompts: list[tuple[int, ...]] = []
+        self.lock = asyncio.Lock()  # one request at a time on the shared llama.cpp context
         self.aborted: list[str] = []
         self.finished: list[str] = []
 
@@ -273,7 +273,7 @@ class Engine:
         all_ids: list[int] = []
         done = False
         try:
-            async with tm.model.lock:
+            async with tm.lock:
                 steps = self._steps(ids, params, logprob, top, abort)
                 pending: list[_Step] = []
                 want = next(pattern)
@@ -360,6 +360,9 @@ class Engine:
         held: list[_Step] = []
         try:
             while True:
+                if abort and count[0] >= abort[0]:  # aborted between steps: no new token
+                    yield _abort_step(abort[1], text, sent, count[0])
+                    return
                 token = int(await asyncio.to_thread(next, tokens))
                 count[0] += 1
                 eos = token in model.eog
@@ -380,15 +383,6 @@ class Engine:
                     finish, visible = {"type": "stop", "matched": matched}, text[:hit]
                 elif count[0] >= max_new:
                     finish = {"type": "length", "length": max_new}
-                if abort and count[0] >= abort[0] and finish is None:
-                    kind = abort[1]
-                    if kind == "waiting":
-                        finish = {"type": "abort", "message": "Abort in waiting queue", "waiting": True}
-                    elif kind == "status":
-                        finish = {"type": "abort", "message": "Request running timeout reached.",
-                                  "status_code": 503, "err_type": None}
-                    else:
-                        finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                 step = _Step([token], visible, count[0], finish, [entry], [tops])
                 step.text_delta = visible[sent:]  # type: ignore[attr-defined]
                 # Stop-string hold-back: while the tail could start a stop string, the scheduler withholds output.
@@ -404,6 +398,19 @@ class Engine:
                     return
         finally:
             tokens.close()
+
+
+def _abort_step(kind: str, text: str, sent: int, count: int) -> _Step:
+    if kind == "waiting":
+        finish = {"type": "abort", "message": "Abort in waiting queue", "waiting": True}
+    elif kind == "status":
+        finish = {"type": "abort", "message": "Request running timeout reached.", "status_code": 503,
+                  "err_type": None}
+    else:
+        finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    step = _Step([], text, count, finish, [], [])
+    step.text_delta = text[sent:]  # type: ignore[attr-defined]
+    return step
 
 
 def _merge_held(steps: list[_Step], sent: int) -> _Step:

@@ -1,0 +1,230 @@
+"""The SGLang adapter against the contract fake: every generation x mode x coalescing pattern.
+
+The client must see the same text and usage streamed and non-streamed, usage from meta_info, and the
+known failure (cumulative output relayed as deltas) must never reach a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import sglang
+from fake_sglang import GENERATIONS
+from runtime_harness import metric_value, serving, sse_payloads
+
+from tally_runtime.app import create_app
+from tally_runtime.engine.base import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
+from tally_runtime.engine.sglang import SGLangEngine
+from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation, StreamShape
+from tally_runtime.settings import Settings
+
+BODY = {"prompt": "The capital of France is", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+def settings(**changes: Any) -> Settings:
+    return Settings(engine="sglang", model_path="/models/fake", **changes)
+
+
+@pytest.fixture(params=[pytest.param((g, c), id=f"{g}-{''.join(map(str, c))}")
+                        for g in "ABCD" for c in ((1,), (3,), (1, 4, 2))])
+def adapter_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    gen, coalesce = request.param
+    sglang.configure(version=GENERATIONS[gen], coalesce=coalesce)
+    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+        yield url, gen, coalesce
+
+
+def test_stream_equals_non_stream_with_engine_usage(adapter_url: tuple[str, str, tuple[int, ...]]) -> None:
+    url, gen, coalesce = adapter_url
+    assert httpx.get(f"{url}/health").status_code == 200
+    plain = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
+    response = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={**BODY, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_payloads(response.content)
+    text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
+    assert text == plain["choices"][0]["text"] and text
+    assert "ThreeThree" not in text
+    streamed = events[-2]["usage"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert streamed[key] == plain["usage"][key]
+    # the same prompt again is a prefix-cache hit, reported as OpenAI's cached_tokens (T36)
+    assert 0 < streamed["prompt_tokens_details"]["cached_tokens"] <= streamed["prompt_tokens"]
+    assert plain["usage"]["completion_tokens"] == 10  # from meta_info: never triangular, never a chunk count
+    metrics = httpx.get(f"{url}/metrics").text
+    assert metric_value(metrics, "tally_stream_mode", {"mode": "incremental"}) == 1
+    lossy = gen in "AB" and coalesce != (1,)  # ≤0.5.9 drops coalesced delta ids: usage right, mismatch counted
+    assert (metric_value(metrics, "tally_usage_mismatches_total") > 0) is lossy
+
+
+def test_chat_and_n2_through_the_adapter(adapter_url: tuple[str, str, tuple[int, ...]]) -> None:
+    url, _, _ = adapter_url
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "stream": True})
+    events = sse_payloads(chat.content)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[-1] == "[DONE]"
+    two = httpx.post(f"{url}/v1/completions", json={**BODY, "n": 2, "max_tokens": 4}, timeout=60).json()
+    assert sorted(c["index"] for c in two["choices"]) == [0, 1]
+    assert two["usage"]["completion_tokens"] == 8
+
+
+def test_cumulative_engine_is_refused_unless_allowed() -> None:
+    sglang.configure(version=GENERATIONS["D"])
+
+    class Ignoring(SGLangEngine):  # an engine that drops the switch, as an attribute assignment would
+        async def start(self) -> Any:
+            original = sglang.Engine.__init__
+
+            def init(engine: Any, **kwargs: Any) -> None:
+                kwargs["incremental_streaming_output"] = False
+                original(engine, **kwargs)
+
+            sglang.Engine.__init__ = init  # type: ignore[method-assign]
+            try:
+                return await super().start()
+            finally:
+                sglang.Engine.__init__ = original  # type: ignore[method-assign]
+
+    refused = Ignoring(settings())
+    with serving_unhealthy(create_app(settings(), refused)) as url:
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "incremental streaming off" in health.json()["reason"]
+        body = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
+        assert body["usage"]["completion_tokens"] == 10  # deltas still correct
+    allowed = settings(allow_cumulative_stream=True)
+    with serving(create_app(allowed, Ignoring(allowed))) as url:
+        metrics = httpx.get(f"{url}/metrics").text
+        assert metric_value(metrics, "tally_stream_mode", {"mode": "cumulative"}) == 1
+        plain = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
+        events = sse_payloads(httpx.post(f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=60).content)
+        text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
+        assert text == plain["choices"][0]["text"]
+
+
+def serving_unhealthy(app: Any) -> Any:
+    """`serving` waits for 200 on /health; an engine refused at start-up never gets there."""
+    import threading
+    from contextlib import contextmanager
+
+    import uvicorn
+    from runtime_harness import free_port, until
+
+    @contextmanager
+    def run() -> Iterator[str]:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            assert until(lambda: _status(url) == 503, 60)
+            yield url
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+    return run()
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_cumulative_items_to_an_incremental_consumer_fail_loudly() -> None:
+    """The 'ThreeThree colors' bug: cumulative ids/text treated as deltas. It must raise, not relay."""
+    stream = ChoiceStream(StreamShape(ids_cumulative=False, text_cumulative=False), str)
+    items = [{"text": "Three", "output_ids": [1], "meta_info": {"completion_tokens": 1, "prompt_tokens": 2}},
+             {"text": "Three colors", "output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "prompt_tokens": 2}}]
+    assert stream.convert(items[0]).text == "Three"
+    with pytest.raises(StreamModeViolation):
+        stream.convert(items[1])
+
+
+def test_cumulative_consumer_slices_text_and_ids() -> None:
+    stream = ChoiceStream(StreamShape(ids_cumulative=True, text_cumulative=True), str)
+    texts, ids = [], []
+    for n, text in enumerate(["Three", "Three colors", "Three colors of"], start=1):
+        delta = stream.convert({"text": text, "output_ids": list(range(n)), "meta_info": {"completion_tokens": n}})
+        texts.append(delta.text)
+        ids += delta.token_ids
+    assert "".join(texts) == "Three colors of" and ids == [0, 1, 2]
+
+
+def run_adapter(gen: str, body: dict[str, Any], aborts: dict[str, tuple[int, str]]) -> Any:
+    sglang.configure(version=GENERATIONS[gen], aborts=aborts)
+    engine = SGLangEngine(settings())
+
+    async def go() -> Any:
+        await engine.start()
+        ids = engine.tokenize(body["prompt"])
+        request = GenerationRequest("r1.", ids, SamplingParams(max_tokens=body["max_tokens"], temperature=0,
+                                                               ignore_eos=True))
+        return [d async for d in engine.generate(request)], engine
+
+    return asyncio.run(go())
+
+
+def test_waiting_queue_abort_emits_no_duplicate() -> None:
+    deltas, _ = run_adapter("D", {"prompt": "abort me please", "max_tokens": 12}, {"abort me": (4, "waiting")})
+    assert deltas[-1].finish_reason is FinishReason.ABORT
+    assert deltas[-1].text == "" and deltas[-1].token_ids == ()
+    assert sum(len(d.token_ids) for d in deltas) == deltas[-1].completion_tokens == 4
+
+
+def test_abort_with_status_is_an_engine_error_in_band() -> None:
+    sglang.configure(version=GENERATIONS["D"], aborts={"timeout": (3, "status")})
+    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+        events = sse_payloads(httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": "this will timeout", "max_tokens": 9, "stream": True}).content)
+        assert events[-2]["error"]["code"] == 503 and "timeout" in events[-2]["error"]["message"]
+        assert events[-1] == "[DONE]"
+
+
+def test_value_error_before_first_item_is_400() -> None:
+    sglang.configure(version=GENERATIONS["D"])
+    engine = SGLangEngine(settings())
+
+    async def go() -> None:
+        await engine.start()
+        request = GenerationRequest("r2.", [1] * 10, SamplingParams(max_tokens=5000))
+        with pytest.raises(InvalidRequestError, match="maximum context length"):
+            async for _ in engine.generate(request):
+                pass
+
+    asyncio.run(go())
+
+
+def test_disconnect_acloses_the_sglang_generator() -> None:
+    sglang.configure(version=GENERATIONS["D"])
+    engine = SGLangEngine(settings())
+    with serving(create_app(settings(), engine)) as url, httpx.stream(
+            "POST", f"{url}/v1/completions", timeout=60,
+            json={"prompt": "Count to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+    manager = engine._engine.tokenizer_manager
+    from runtime_harness import until
+
+    assert until(lambda: any(rid.startswith("cmpl-") for rid in manager.aborted), 10)
+
+
+def test_owned_engine_args_are_rejected() -> None:
+    sglang.configure(version=GENERATIONS["D"])
+    engine = SGLangEngine(settings(engine_args=("--port", "9")))
+    with pytest.raises(ValueError, match="--port is set by Tally"):
+        asyncio.run(engine.start())
+
+
+def test_cli_form_of_the_switch_is_accepted_for_every_generation() -> None:
+    for gen in "ABCD":
+        sglang.configure(version=GENERATIONS[gen])
+        flag = "--stream-output" if gen in "AB" else "--incremental-streaming-output"
+        engine = SGLangEngine(settings(engine_args=(flag, "--stream-interval", "2")))
+        asyncio.run(engine.start())
+        assert engine.health().ok and engine._engine.server_args.stream_interval == 2
