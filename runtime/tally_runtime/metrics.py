@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,6 +43,8 @@ class Metrics:
         )
         self.e2e = Histogram(n.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
+        self.drift = Gauge(n.ENGINE_USAGE_DRIFT, "Engine-sourced totals we counted minus SGLang's own counters",
+                           ["kind"], registry=r)
         for mode in n.STREAM_MODES:
             self.stream_mode.labels(mode).set(0)
 
@@ -70,5 +73,38 @@ class Metrics:
         for _ in range(tokens):
             self.itl.observe(per_token)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, engine_text: bytes = b"") -> bytes:
+        """Our series, then the engine's own (SGLang's multiprocess collector), with the drift between them."""
+        if engine_text:
+            theirs = engine_totals(engine_text.decode())
+            self.drift.labels("prompt").set(_value(self.prompt_tokens) - theirs[n.SGLANG_PROMPT_TOKENS])
+            self.drift.labels("completion").set(_value(self.completion_tokens) - theirs[n.SGLANG_GENERATION_TOKENS])
+        return generate_latest(self.registry) + engine_text
+
+
+def engine_totals(text: str) -> dict[str, float]:
+    """Sum SGLang's token counters over all their label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {n.SGLANG_PROMPT_TOKENS: 0.0, n.SGLANG_GENERATION_TOKENS: 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
+
+
+def _value(counter: Counter) -> float:
+    return float(counter._value.get())
+
+
+def sglang_series() -> bytes:
+    """SGLang's own series, when it exports them through PROMETHEUS_MULTIPROC_DIR (enable_metrics)."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory or not os.path.isdir(directory):
+        return b""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    return generate_latest(registry)

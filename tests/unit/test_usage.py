@@ -53,3 +53,18 @@ def test_reasoning_tokens_reported_in_details() -> None:
     choice = finished(0, 0, [Delta(token_ids=(1, 2), prompt_tokens=1, completion_tokens=2, reasoning_tokens=1,
                                    finish_reason=FinishReason.STOP)])
     assert request_usage([choice]).as_openai()["completion_tokens_details"] == {"reasoning_tokens": 1}
+
+
+def test_drift_against_sglang_counters() -> None:
+    from tally_runtime.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.prompt_tokens.inc(10)
+    metrics.completion_tokens.inc(30)
+    sglang_text = (b'# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{is_streaming="true"} 6.0\n'
+                   b'sglang:prompt_tokens_total{is_streaming="false"} 4.0\n'
+                   b'# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 25.0\n')
+    text = metrics.render(sglang_text).decode()
+    assert 'tally_engine_usage_drift_tokens{kind="prompt"} 0.0' in text
+    assert 'tally_engine_usage_drift_tokens{kind="completion"} 5.0' in text
+    assert text.endswith(sglang_text.decode())

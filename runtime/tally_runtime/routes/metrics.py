@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tally_runtime.metrics import sglang_series
 from tally_runtime.serving import Server
 
 router = APIRouter()
@@ -15,4 +16,5 @@ router = APIRouter()
 async def metrics(request: Request) -> Response:
     server: Server = request.app.state.server
     server.metrics.engine_healthy.set(1 if server.engine.health().ok else 0)
-    return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    engine_text = sglang_series() if server.info.engine_kind.startswith("sglang") else b""
+    return Response(server.metrics.render(engine_text), media_type=CONTENT_TYPE_LATEST)
