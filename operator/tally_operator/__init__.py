@@ -1,0 +1,1 @@
+"""Tally operator: reconciles CompletionService resources into GPU Deployments, Services and PDBs."""

@@ -1,0 +1,30 @@
+"""`python -m tally_operator` / `tally-operator`: kopf run with our handlers and settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tally-operator", description="Reconcile CompletionService resources.")
+    parser.add_argument("--namespace", action="append", default=[],
+                        help="watch only this namespace (repeatable); default: the whole cluster")
+    parser.add_argument("--standalone", action="store_true", help="run without peering (one instance only)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    import kopf
+
+    import tally_operator.handlers  # noqa: F401  (registers the handlers)
+
+    asyncio.run(kopf.operator(
+        clusterwide=not args.namespace, namespaces=args.namespace, standalone=args.standalone,
+        liveness_endpoint=args.liveness,
+    ))
+
+
+if __name__ == "__main__":
+    main()

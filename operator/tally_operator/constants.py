@@ -1,0 +1,39 @@
+"""Names the operator and its resources share: API coordinates, labels, field manager, conditions."""
+
+GROUP = "serving.tally.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "CompletionService"
+PLURAL = "completionservices"
+
+FIELD_MANAGER = "tally-operator"
+
+LABEL_SERVICE = f"{GROUP}/completionservice"  # the immutable selector label
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+
+RUNTIME_PORT = 8000
+RUNTIME_PORT_NAME = "http"
+CONTAINER_NAME = "runtime"
+RUNTIME_UID = 10001
+
+# Condition types
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+USAGE_HEALTHY = "UsageHealthy"
+
+# Reasons (CamelCase)
+REASON_AVAILABLE = "AllReplicasReady"
+REASON_ROLLING_OUT = "RollingOut"
+REASON_SCALED_TO_ZERO = "ScaledToZero"
+REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_WAITING = "WaitingForPods"
+REASON_STABLE = "Stable"
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_DEADLINE = "ProgressDeadlineExceeded"
+REASON_REPLICA_FAILURE = "ReplicaFailure"
+REASON_HEALTHY = "AsExpected"

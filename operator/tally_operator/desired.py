@@ -1,0 +1,180 @@
+"""PURE: spec + metadata -> the Deployment, Service and PodDisruptionBudget a CompletionService owns.
+
+Each builder returns a complete object for server-side apply: fields we send are ours, fields we stop
+sending are removed, manual edits to them are reverted on the next pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tally_operator import constants as c
+from tally_operator.settings import OperatorSettings
+from tally_operator.spec import Spec
+
+Obj = dict[str, Any]
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Immutable: a Deployment's selector cannot change, so it holds only this."""
+    return {c.LABEL_SERVICE: name}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        c.LABEL_NAME: "tally-runtime",
+        c.LABEL_INSTANCE: name,
+        c.LABEL_COMPONENT: "completion-service",
+        c.LABEL_PART_OF: "tally",
+        c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
+    }
+
+
+def owner_reference(meta: Mapping[str, Any]) -> Obj:
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(meta: Mapping[str, Any]) -> Obj:
+    return {"name": meta["name"], "namespace": meta["namespace"], "labels": labels(meta["name"]),
+            "ownerReferences": [owner_reference(meta)]}
+
+
+def endpoint(meta: Mapping[str, Any], settings: OperatorSettings) -> str:
+    return f"http://{meta['name']}.{meta['namespace']}.svc.{settings.cluster_domain}:{c.RUNTIME_PORT}/v1"
+
+
+def runtime_args(spec: Spec) -> list[str]:
+    """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
+    args = [
+        "serve", "--host", "0.0.0.0", "--port", str(c.RUNTIME_PORT), "--engine", spec.engine_kind,
+        "--served-model-name", spec.model_name, "--context-length", str(spec.context_length),
+        "--max-concurrent-generations", str(spec.max_concurrent_generations),
+    ]
+    if spec.model_path:
+        args += ["--model-path", spec.model_path]
+    if spec.engine_kind == "sglang":
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size),
+                 "--data-parallel-size", str(max(1, spec.gpus // spec.tensor_parallel_size))]
+        if spec.memory_fraction:
+            args += ["--mem-fraction-static", str(spec.memory_fraction)]
+        if spec.max_running_requests:
+            args += ["--max-running-requests", str(spec.max_running_requests)]
+    if spec.engine_args:
+        args.append("--engine-args=" + " ".join(spec.engine_args))
+    return args
+
+
+def _probe(period: int, failures: int) -> Obj:
+    return {"httpGet": {"path": "/health", "port": c.RUNTIME_PORT_NAME}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def _container(spec: Spec, settings: OperatorSettings) -> Obj:
+    limits: Obj = {"cpu": spec.cpu, "memory": spec.memory}
+    if spec.gpus:
+        limits[spec.gpu_resource_name] = str(spec.gpus)
+    mounts: list[Obj] = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model_volume:
+        mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
+    return {
+        "name": c.CONTAINER_NAME,
+        "image": spec.image or settings.runtime_image,
+        "args": runtime_args(spec),
+        "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"}],
+        "env": [{"name": "TALLY_LOG_LEVEL", "value": "info"}, *[dict(e) for e in spec.env]],
+        "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory}, "limits": limits},
+        "volumeMounts": mounts,
+        # Model loads are slow: the startup probe gets the whole budget, liveness only starts after it.
+        "startupProbe": _probe(10, max(3, spec.startup_seconds // 10)),
+        "readinessProbe": _probe(5, 2),
+        "livenessProbe": _probe(10, 3),
+        "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _tolerations(spec: Spec) -> list[Obj]:
+    extra = [dict(t) for t in spec.tolerations]
+    if spec.gpus:
+        extra.insert(0, {"key": spec.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"})
+    return extra
+
+
+def _pod_spec(spec: Spec, settings: OperatorSettings) -> Obj:
+    volumes: list[Obj] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.model_volume:
+        volumes.append({"name": "models", **dict(spec.model_volume)})
+    pod: Obj = {
+        "containers": [_container(spec, settings)],
+        "volumes": volumes,
+        "tolerations": _tolerations(spec),
+        "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "fsGroup": c.RUNTIME_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.affinity:
+        pod["affinity"] = dict(spec.affinity)
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name:
+        pod["runtimeClassName"] = spec.runtime_class_name
+    return pod
+
+
+def desired_deployment(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj:
+    name = meta["name"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(meta),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # Serving capacity never drops during a rollout: a new pod must be ready before an old one goes.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "progressDeadlineSeconds": spec.startup_seconds + 600,
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.RUNTIME_PORT),
+                                    "prometheus.io/path": "/metrics"},
+                },
+                "spec": _pod_spec(spec, settings),
+            },
+        },
+    }
+
+
+def desired_service(meta: Mapping[str, Any]) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(meta),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(meta["name"]),
+            "ports": [{"name": c.RUNTIME_PORT_NAME, "port": c.RUNTIME_PORT, "targetPort": c.RUNTIME_PORT_NAME,
+                       "protocol": "TCP", "appProtocol": "http"}],
+        },
+    }
+
+
+def desired_pdb(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
+    """Only with more than one replica: a PDB on a single pod would block node drains forever."""
+    if spec.replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(meta),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta["name"])}},
+    }

@@ -1,0 +1,130 @@
+"""The only module with kopf decorators. Each handler delegates to `reconcile` in a few lines.
+
+Level-triggered: create, update, resume and a periodic timer all run the same reconcile, which never
+branches on the event type. A second, faster timer only refreshes status from the children.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from tally_operator import constants as c
+from tally_operator.conditions import transitions
+from tally_operator.desired import desired_deployment, desired_pdb, desired_service, endpoint
+from tally_operator.kube import Kube, is_transient
+from tally_operator.settings import OperatorSettings
+from tally_operator.spec import Spec, SpecError, parse_spec
+from tally_operator.status import (
+    build_status,
+    invalid_verdicts,
+    observed_fields,
+    without_times,
+    workload_verdicts,
+)
+
+SETTINGS = OperatorSettings.from_env()
+_kube: Kube | None = None
+
+
+def kube() -> Kube:
+    global _kube
+    if _kube is None:
+        _kube = Kube()
+    return _kube
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # kopf's own bookkeeping goes to annotations, so the status schema can stay strict.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=c.GROUP)
+    settings.posting.level = logging.WARNING
+    settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
+    settings.watching.server_timeout = 120
+    settings.peering.name = "tally-operator"
+    settings.peering.clusterwide = True
+    kube()
+
+
+@kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
+@kopf.on.create(c.GROUP, c.VERSION, c.PLURAL)
+@kopf.on.update(c.GROUP, c.VERSION, c.PLURAL)
+def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    reconcile(body, patch, logger, apply_children=True)
+
+
+@kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.reconcile_interval, initial_delay=5)
+def periodic_reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    reconcile(body, patch, logger, apply_children=True)
+
+
+@kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.status_interval, idle=0)
+def refresh_status(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    reconcile(body, patch, logger, apply_children=False)
+
+
+def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, apply_children: bool) -> None:
+    meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
+    generation = int(body.meta.get("generation") or 0)
+    previous = dict(body.get("status") or {})
+    try:
+        spec = parse_spec(body.spec)
+    except SpecError as error:
+        write_status(body, patch, previous, build_status(previous, invalid_verdicts(error), now(), generation,
+                                                         {"endpoint": endpoint(meta, SETTINGS)}))
+        return
+    try:
+        if apply_children:
+            apply_all(meta, spec)
+        deployment = kube().get("apps/v1", "Deployment", meta["name"], meta["namespace"])
+        pods = kube().pods(meta["namespace"], f"{c.LABEL_SERVICE}={meta['name']}")
+    except ApiException as error:
+        if is_transient(error):
+            raise kopf.TemporaryError(f"API server: {error.status} {error.reason}", delay=10) from error
+        invalid = SpecError("InvalidChild", f"The API server rejected a child object: {_api_message(error)}")
+        write_status(body, patch, previous, build_status(previous, invalid_verdicts(invalid), now(), generation,
+                                                         {"endpoint": endpoint(meta, SETTINGS)}))
+        return
+    fields = observed_fields(meta["name"], deployment, endpoint(meta, SETTINGS))
+    status = build_status(previous, workload_verdicts(spec, deployment, pods), now(), generation, fields)
+    write_status(body, patch, previous, status)
+
+
+def apply_all(meta: dict[str, str], spec: Spec) -> None:
+    kube().apply(desired_deployment(meta, spec, SETTINGS))
+    kube().apply(desired_service(meta))
+    pdb = desired_pdb(meta, spec)
+    if pdb is not None:
+        kube().apply(pdb)
+    else:
+        kube().delete("policy/v1", "PodDisruptionBudget", meta["name"], meta["namespace"])
+
+
+def write_status(body: kopf.Body, patch: kopf.Patch, previous: dict[str, Any], status: dict[str, Any]) -> None:
+    """Write only on change; post an Event for every condition that flipped."""
+    if without_times(status) == without_times(previous):
+        return
+    patch.status.update(status)
+    for condition in transitions(previous.get("conditions") or [], status["conditions"]):
+        healthy = (condition["status"] == "True") != (condition["type"] == c.DEGRADED)
+        kopf.event(body, type="Normal" if healthy else "Warning",
+                   reason=f"{condition['type']}{condition['status']}"[:128],
+                   message=f"{condition['reason']}: {condition['message']}"[:1024])
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _api_message(error: ApiException) -> str:
+    import json
+
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)

@@ -1,0 +1,31 @@
+"""Typed operator settings, read once from TALLY_OPERATOR_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    runtime_image: str = "tally-runtime:0.1.0"
+    reconcile_interval: float = 60.0  # seconds between full passes (re-apply children) per resource
+    status_interval: float = 5.0  # seconds between status refreshes per resource (reads only)
+    cluster_domain: str = "cluster.local"
+    metrics_port: int = 9090
+    scrape_concurrency: int = 16
+    scrape_timeout: float = 3.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            key = f"TALLY_OPERATOR_{f.name.upper()}"
+            if key in env:
+                try:
+                    values[f.name] = type(getattr(cls(), f.name))(env[key])
+                except ValueError as err:
+                    raise ValueError(f"{key}: {err}") from None
+        return cls(**values)  # type: ignore[arg-type]

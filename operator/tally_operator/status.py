@@ -1,0 +1,110 @@
+"""PURE: observed children (and usage) -> the CompletionService status."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tally_operator import constants as c
+from tally_operator.conditions import Condition, Verdict, set_condition
+from tally_operator.spec import Spec, SpecError
+
+
+def unschedulable_message(pods: Sequence[Mapping[str, Any]]) -> str:
+    """The scheduler's own words for the first pod it could not place, if any."""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                return str(cond.get("message") or "no node can run the pod")
+    return ""
+
+
+def _deployment_condition(deployment: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return dict(cond)
+    return {}
+
+
+def workload_verdicts(spec: Spec, deployment: Mapping[str, Any] | None,
+                      pods: Sequence[Mapping[str, Any]]) -> list[Verdict]:
+    """Ready, Progressing and Degraded from the Deployment and its pods."""
+    status = (deployment or {}).get("status") or {}
+    ready = int(status.get("readyReplicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    total = int(status.get("replicas") or 0)
+    current = deployment is not None and status.get("observedGeneration", -1) >= (deployment.get("metadata") or {}).get(
+        "generation", 0)
+    rolled_out = current and updated >= spec.replicas and total == spec.replicas and ready >= spec.replicas
+    stuck = unschedulable_message(pods)
+    deadline = _deployment_condition(deployment or {}, "Progressing").get("reason") == REASON_DEADLINE_K8S
+    failure = _deployment_condition(deployment or {}, "ReplicaFailure")
+
+    if spec.replicas == 0:
+        ready_v = Verdict(c.READY, "True", c.REASON_SCALED_TO_ZERO, "Scaled to zero replicas")
+    elif rolled_out:
+        ready_v = Verdict(c.READY, "True", c.REASON_AVAILABLE, f"{ready} of {spec.replicas} pods ready")
+    else:
+        reason = c.REASON_UNSCHEDULABLE if stuck else c.REASON_WAITING
+        ready_v = Verdict(c.READY, "False", reason, f"{ready} of {spec.replicas} pods ready")
+
+    if rolled_out or spec.replicas == 0:
+        progressing = Verdict(c.PROGRESSING, "False", c.REASON_STABLE, "The rollout is complete")
+    elif stuck:
+        progressing = Verdict(c.PROGRESSING, "True", c.REASON_UNSCHEDULABLE, f"Pods cannot be scheduled: {stuck}")
+    else:
+        progressing = Verdict(c.PROGRESSING, "True", c.REASON_ROLLING_OUT,
+                              f"{updated} of {spec.replicas} pods updated, {ready} ready")
+
+    if deadline:
+        degraded = Verdict(c.DEGRADED, "True", c.REASON_DEADLINE, "The rollout exceeded its progress deadline")
+    elif failure.get("status") == "True":
+        degraded = Verdict(c.DEGRADED, "True", c.REASON_REPLICA_FAILURE, str(failure.get("message") or ""))
+    else:
+        degraded = Verdict(c.DEGRADED, "False", c.REASON_HEALTHY, "No failures observed")
+    return [ready_v, progressing, degraded]
+
+
+REASON_DEADLINE_K8S = "ProgressDeadlineExceeded"
+
+
+def invalid_verdicts(error: SpecError) -> list[Verdict]:
+    return [
+        Verdict(c.READY, "False", error.reason, error.message),
+        Verdict(c.PROGRESSING, "False", error.reason, "Nothing is rolled out until the spec is fixed"),
+        Verdict(c.DEGRADED, "True", error.reason, error.message),
+    ]
+
+
+def build_status(previous: Mapping[str, Any], verdicts: Sequence[Verdict], now: str, generation: int,
+                 fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole new status: previous usage kept, given fields set, conditions updated in place."""
+    conditions: list[Condition] = list(previous.get("conditions") or [])
+    for verdict in verdicts:
+        conditions = set_condition(conditions, verdict, now, generation)
+    order = {c.READY: 0, c.PROGRESSING: 1, c.DEGRADED: 2, c.USAGE_HEALTHY: 3}
+    conditions.sort(key=lambda cond: order.get(cond["type"], 9))
+    status: dict[str, Any] = {k: v for k, v in previous.items() if k == "usage"}
+    status.update(fields)
+    status["observedGeneration"] = generation
+    status["conditions"] = conditions
+    return status
+
+
+def observed_fields(name: str, deployment: Mapping[str, Any] | None, endpoint: str) -> dict[str, Any]:
+    status = (deployment or {}).get("status") or {}
+    return {
+        "replicas": int(status.get("replicas") or 0),
+        "readyReplicas": int(status.get("readyReplicas") or 0),
+        "updatedReplicas": int(status.get("updatedReplicas") or 0),
+        "selector": f"{c.LABEL_SERVICE}={name}",
+        "endpoint": endpoint,
+    }
+
+
+def without_times(status: Mapping[str, Any]) -> dict[str, Any]:
+    """Status compared for change detection (a new timestamp alone is no change)."""
+    out = dict(status)
+    out["conditions"] = [{k: v for k, v in cond.items() if k != "lastTransitionTime"}
+                         for cond in status.get("conditions") or []]
+    return out
