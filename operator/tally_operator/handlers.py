@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -28,6 +29,7 @@ from tally_operator.status import (
 )
 
 SETTINGS = OperatorSettings.from_env()
+MEMO_SECONDS = 10.0  # how long our own last write outranks a possibly stale body
 _kube: Kube | None = None
 
 
@@ -54,28 +56,28 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
 @kopf.on.create(c.GROUP, c.VERSION, c.PLURAL)
 @kopf.on.update(c.GROUP, c.VERSION, c.PLURAL)
-def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, patch, logger, apply_children=True)
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    reconcile(body, patch, memo, apply_children=True)
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.reconcile_interval, initial_delay=5)
-def periodic_reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, patch, logger, apply_children=True)
+def periodic_reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    reconcile(body, patch, memo, apply_children=True)
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.status_interval, idle=0)
-def refresh_status(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, patch, logger, apply_children=False)
+def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    reconcile(body, patch, memo, apply_children=False)
 
 
-def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, apply_children: bool) -> None:
+def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_children: bool) -> None:
     meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
     generation = int(body.meta.get("generation") or 0)
     previous = dict(body.get("status") or {})
     try:
         spec = parse_spec(body.spec)
     except SpecError as error:
-        write_status(body, patch, previous, build_status(previous, invalid_verdicts(error), now(), generation,
+        write_status(body, patch, memo, previous, build_status(previous, invalid_verdicts(error), now(), generation,
                                                          {"endpoint": endpoint(meta, SETTINGS)}))
         return
     try:
@@ -87,12 +89,12 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, apply_chi
         if is_transient(error):
             raise kopf.TemporaryError(f"API server: {error.status} {error.reason}", delay=10) from error
         invalid = SpecError("InvalidChild", f"The API server rejected a child object: {_api_message(error)}")
-        write_status(body, patch, previous, build_status(previous, invalid_verdicts(invalid), now(), generation,
+        write_status(body, patch, memo, previous, build_status(previous, invalid_verdicts(invalid), now(), generation,
                                                          {"endpoint": endpoint(meta, SETTINGS)}))
         return
     fields = observed_fields(meta["name"], deployment, endpoint(meta, SETTINGS))
     status = build_status(previous, workload_verdicts(spec, deployment, pods), now(), generation, fields)
-    write_status(body, patch, previous, status)
+    write_status(body, patch, memo, previous, status)
 
 
 def apply_all(meta: dict[str, str], spec: Spec) -> None:
@@ -105,16 +107,32 @@ def apply_all(meta: dict[str, str], spec: Spec) -> None:
         kube().delete("policy/v1", "PodDisruptionBudget", meta["name"], meta["namespace"])
 
 
-def write_status(body: kopf.Body, patch: kopf.Patch, previous: dict[str, Any], status: dict[str, Any]) -> None:
-    """Write only on change; post an Event for every condition that flipped."""
-    if without_times(status) == without_times(previous):
+def write_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, previous: dict[str, Any],
+                 status: dict[str, Any]) -> None:
+    """Write only on change; post an Event for every condition that flipped.
+
+    `memo` remembers what this process last wrote, so a timer racing an event handler over the same
+    stale body does not write (or announce) the same transition twice.
+    """
+    written_at, written = memo.get("status", (0.0, None))
+    known = written if written is not None and time.monotonic() - written_at < MEMO_SECONDS else previous
+    if without_times(status) == without_times(known):
         return
+    memo["status"] = (time.monotonic(), status)
     patch.status.update(status)
-    for condition in transitions(previous.get("conditions") or [], status["conditions"]):
-        healthy = (condition["status"] == "True") != (condition["type"] == c.DEGRADED)
-        kopf.event(body, type="Normal" if healthy else "Warning",
+    for condition in transitions(known.get("conditions") or [], status["conditions"]):
+        kopf.event(body, type="Warning" if is_bad(condition) else "Normal",
                    reason=f"{condition['type']}{condition['status']}"[:128],
                    message=f"{condition['reason']}: {condition['message']}"[:1024])
+
+
+def is_bad(condition: dict[str, Any]) -> bool:
+    kind, status = condition["type"], condition["status"]
+    if kind == c.DEGRADED:
+        return bool(status == "True")
+    if kind == c.PROGRESSING:
+        return bool(condition["reason"] == c.REASON_UNSCHEDULABLE)
+    return bool(status == "False")
 
 
 def now() -> str:
