@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -14,7 +15,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="watch only this namespace (repeatable); default: the whole cluster")
     parser.add_argument("--standalone", action="store_true", help="run without peering (one instance only)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import kopf
 

@@ -83,18 +83,27 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_childre
     try:
         if apply_children:
             apply_all(meta, spec)
+            memo.pop("apply_error", None)
         deployment = kube().get("apps/v1", "Deployment", meta["name"], meta["namespace"])
         pods = kube().pods(meta["namespace"], f"{c.LABEL_SERVICE}={meta['name']}")
     except ApiException as error:
         if is_transient(error):
             raise kopf.TemporaryError(f"API server: {error.status} {error.reason}", delay=10) from error
-        invalid = SpecError("InvalidChild", f"The API server rejected a child object: {_api_message(error)}")
-        write_status(body, patch, memo, previous, build_status(previous, invalid_verdicts(invalid), now(), generation,
-                                                         {"endpoint": endpoint(meta, SETTINGS)}))
+        memo["apply_error"] = rejected(error)
+        deployment, pods = None, []
+    if memo.get("apply_error") is not None:  # until a pass applies cleanly, the rejection is the news
+        write_status(body, patch, memo, previous, build_status(
+            previous, invalid_verdicts(memo["apply_error"]), now(), generation, {"endpoint": endpoint(meta, SETTINGS)}))
         return
     fields = observed_fields(meta["name"], deployment, endpoint(meta, SETTINGS))
     status = build_status(previous, workload_verdicts(spec, deployment, pods), now(), generation, fields)
     write_status(body, patch, memo, previous, status)
+
+
+def rejected(error: ApiException) -> SpecError:
+    """A non-transient API refusal: our RBAC (403) or a child the server finds invalid (400/422)."""
+    reason = "Forbidden" if error.status == 403 else "InvalidChild"
+    return SpecError(reason, f"The API server refused a child object: {_api_message(error)}")
 
 
 def apply_all(meta: dict[str, str], spec: Spec) -> None:

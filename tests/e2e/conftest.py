@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up
+from operator_harness import OperatorProcess, install_chart, token_kubeconfig
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +36,14 @@ def namespace(kubectl: Kubectl) -> Iterator[str]:
 @pytest.fixture
 def kube(kubectl: Kubectl, namespace: str) -> Kubectl:
     return kubectl.in_namespace(namespace)
+
+
+@pytest.fixture(scope="session")
+def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """The chart installed (CRDs, RBAC, peering), and the operator running as the chart's ServiceAccount."""
+    install_chart(kubectl)
+    folder = tmp_path_factory.mktemp("operator")
+    process = OperatorProcess(token_kubeconfig(kubectl, folder / "sa.kubeconfig"), folder / "operator.log")
+    process.start()
+    yield process
+    process.stop()

@@ -1,0 +1,164 @@
+"""The operator on the real local control plane, with the chart's RBAC: reconcile, status, scale, GC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kube_harness import ROOT, Kubectl, eventually
+from operator_harness import CHART, OperatorProcess
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = ROOT / "crds" / "examples" / "smollm-cpu.yaml"
+
+
+def example(**spec: Any) -> dict[str, Any]:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"].update(spec)
+    return dict(manifest)
+
+
+def condition(kube: Kubectl, kind: str, name: str = "smollm") -> dict[str, Any]:
+    status = kube.json("get", "completionservice", name).get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def deployment(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
+    return dict(kube.json("get", "deployment", name))
+
+
+def test_chart_crd_is_the_canonical_crd() -> None:
+    canonical = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
+    assert (CHART / "crds" / canonical.name).read_bytes() == canonical.read_bytes()
+
+
+def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
+    subprocess.run(["helm", "lint", "--strict", str(CHART)], check=True, env=kubectl.env, capture_output=True)
+    rendered = subprocess.run(["helm", "template", "t", str(CHART), "--set", "peering.enabled=false"],
+                              check=True, env=kubectl.env, capture_output=True, text=True).stdout
+    assert "--standalone" in rendered
+    bad = subprocess.run(["helm", "template", "t", str(CHART), "--set", "replicaCount=-1"],
+                         env=kubectl.env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "replicaCount" in bad.stderr
+    server = subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", "-"], input=rendered, text=True,
+                            env=kubectl.env, capture_output=True)
+    assert server.returncode == 0, server.stderr
+
+
+def test_example_becomes_ready_with_gpu_pods(operator: OperatorProcess, kube: Kubectl, namespace: str) -> None:
+    kube.apply(example())
+    ready = eventually(lambda: condition(kube, "Ready").get("status") == "True" and condition(kube, "Ready"),
+                       90, what="Ready=True")
+    assert ready["reason"] == "AllReplicasReady"
+    cs = kube.json("get", "completionservice", "smollm")
+    assert cs["status"]["readyReplicas"] == 2 and cs["status"]["observedGeneration"] == cs["metadata"]["generation"]
+    assert cs["status"]["endpoint"] == f"http://smollm.{namespace}.svc.cluster.local:8000/v1"
+    dep = deployment(kube)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == cs["metadata"]["uid"]
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert kube.json("get", "service", "smollm")["spec"]["ports"][0]["port"] == 8000
+    assert kube.json("get", "pdb", "smollm")["spec"]["maxUnavailable"] == 1
+    events = kube.json("get", "events", "--field-selector", "involvedObject.kind=CompletionService")["items"]
+    assert any(e["reason"] == "ReadyTrue" for e in events)
+
+
+def test_scale_subresource(operator: OperatorProcess, kube: Kubectl) -> None:
+    kube.apply(example())
+    eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
+    kube("scale", "completionservice", "smollm", "--replicas=1")
+    eventually(lambda: deployment(kube)["spec"]["replicas"] == 1, 30, what="Deployment scaled")
+    eventually(lambda: kube("get", "pdb", "smollm", check=False) == "", 30, what="PDB removed at one replica")
+    status = eventually(lambda: (s := kube.json("get", "completionservice", "smollm")["status"])["replicas"] == 1
+                        and s, 60, what="status.replicas == 1")
+    assert status["selector"] == "serving.tally.dev/completionservice=smollm"
+
+
+def test_spec_change_rolls_out(operator: OperatorProcess, kube: Kubectl) -> None:
+    kube.apply(example())
+    eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
+    kube("patch", "completionservice", "smollm", "--type=merge", "-p", '{"spec":{"engine":{"contextLength":1024}}}')
+
+    def rolled() -> bool:
+        args = deployment(kube)["spec"]["template"]["spec"]["containers"][0]["args"]
+        return args[args.index("--context-length") + 1] == "1024"
+
+    eventually(rolled, 30, what="new args in the pod template")
+    cs = eventually(lambda: (o := kube.json("get", "completionservice", "smollm"))["status"]["observedGeneration"]
+                    == o["metadata"]["generation"] and condition(kube, "Ready").get("status") == "True" and o,
+                    90, what="rolled out and Ready")
+    assert cs["status"]["updatedReplicas"] == 2
+
+
+def test_more_gpus_than_any_node_is_unschedulable(operator: OperatorProcess, kube: Kubectl) -> None:
+    kube.apply(example(replicas=1, resources={"gpus": 16, "cpu": "1", "memory": "1Gi"}))
+    progressing = eventually(lambda: condition(kube, "Progressing").get("reason") == "Unschedulable"
+                             and condition(kube, "Progressing"), 60, what="Progressing/Unschedulable")
+    assert progressing["status"] == "True" and "nvidia.com/gpu" in progressing["message"]
+    assert condition(kube, "Ready")["status"] == "False"
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    pytest.param({"engine": {"kind": "cpu", "args": ["--port", "9"]}}, "OwnedEngineArgument", id="owned-arg"),
+    pytest.param({"engine": {"kind": "sglang", "tensorParallelSize": 2}, "model": {"name": "m", "path": "/m"},
+                  "resources": {"gpus": 3}}, "GPUsNotDivisible", id="gpus-vs-tp"),
+])
+def test_invalid_spec_is_ready_false_with_event(operator: OperatorProcess, kube: Kubectl, spec: dict[str, Any],
+                                                reason: str) -> None:
+    kube.apply(example(**spec))
+    ready = eventually(lambda: condition(kube, "Ready").get("reason") == reason and condition(kube, "Ready"),
+                       60, what=f"Ready=False/{reason}")
+    assert ready["status"] == "False"
+    events = eventually(lambda: [e for e in kube.json("get", "events")["items"]
+                                 if e["type"] == "Warning" and reason in e["message"]], 30, what="Warning event")
+    assert events
+    assert kube("get", "deployment", "smollm", check=False) == ""
+
+
+def test_schema_rules_reject_bad_specs(operator: OperatorProcess, kube: Kubectl) -> None:
+    bad = example(engine={"kind": "sglang"}, resources={"gpus": 0})
+    done = subprocess.run(["kubectl", "-n", kube.namespace or "", "apply", "-f", "-"], input=json.dumps(bad),
+                          text=True, capture_output=True, env=kube.env)
+    assert done.returncode != 0 and "at least one GPU" in done.stderr
+
+
+def test_deleting_the_resource_collects_children(operator: OperatorProcess, kube: Kubectl) -> None:
+    kube.apply(example())
+    eventually(lambda: kube("get", "deployment", "smollm", check=False), 60, what="Deployment")
+    kube("delete", "completionservice", "smollm")
+    eventually(lambda: not kube.json("get", "deployments,services,pdb,pods")["items"], 60,
+               what="children garbage-collected")
+
+
+def test_manual_edits_to_owned_fields_are_reverted(operator: OperatorProcess, kube: Kubectl) -> None:
+    kube.apply(example())
+    eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
+    kube("patch", "deployment", "smollm", "--type=merge", "-p", '{"spec":{"replicas":5}}')
+    eventually(lambda: deployment(kube)["spec"]["replicas"] == 2, 30, what="replicas reverted to the spec")
+
+
+def test_restart_creates_no_duplicates_and_keeps_status(operator: OperatorProcess, kube: Kubectl) -> None:
+    kube.apply(example())
+    eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
+    before_uid = deployment(kube)["metadata"]["uid"]
+    before_ready = condition(kube, "Ready")
+    operator.stop()
+    operator.start()
+    kube("annotate", "completionservice", "smollm", "touched=yes", "--overwrite")
+    eventually(lambda: condition(kube, "Ready").get("status") == "True", 30, what="still Ready")
+    assert deployment(kube)["metadata"]["uid"] == before_uid
+    assert len(kube.json("get", "deployments")["items"]) == 1
+    assert condition(kube, "Ready")["lastTransitionTime"] == before_ready["lastTransitionTime"]
+
+
+def test_operator_log_has_no_tracebacks_from_our_code(operator: OperatorProcess) -> None:
+    """Our handlers never crash. (kopf itself logs an internal assertion while peering pauses; not ours.)"""
+    blocks = Path(operator.log).read_text().split("Traceback (most recent call last):")[1:]
+    ours = [b for b in blocks if "tally_operator" in b.split("\n20")[0]]
+    assert not ours, ours[0][:3000]

@@ -1,0 +1,72 @@
+"""Run the operator as a subprocess with a token of the chart's own ServiceAccount (so the chart's RBAC is tested)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from kube_harness import ROOT, Kubectl, eventually
+from runtime_harness import free_port
+
+CHART = ROOT / "charts" / "tally-operator"
+RELEASE = "tally-operator"
+NAMESPACE = "tally-system"
+GPU_TOLERATION = '[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]'
+
+
+def install_chart(kubectl: Kubectl) -> None:
+    subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+                    "--set-json", f"tolerations={GPU_TOLERATION}", "--wait", "--timeout", "120s"],
+                   check=True, env=kubectl.env, capture_output=True, timeout=180)
+
+
+def token_kubeconfig(kubectl: Kubectl, path: Path) -> Path:
+    token = kubectl("create", "token", RELEASE, "-n", NAMESPACE, "--duration=2h").strip()
+    cluster = kubectl.json("config", "view", "--raw", "--minify")["clusters"][0]["cluster"]
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": cluster}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}],
+    }))
+    return path
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, log: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.port = free_port()
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "TALLY_OPERATOR_STATUS_INTERVAL": "1",
+               "TALLY_OPERATOR_RECONCILE_INTERVAL": "3", **self.extra_env}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tally_operator", f"--liveness=http://127.0.0.1:{self.port}/healthz"],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+        eventually(self.alive, 60, what=f"operator liveness (log: {self.log})")
+
+    def alive(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"operator exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
