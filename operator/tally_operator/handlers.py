@@ -6,6 +6,7 @@ branches on the event type. A second, faster timer only refreshes status from th
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
@@ -15,9 +16,11 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from tally_operator import constants as c
-from tally_operator.conditions import transitions
+from tally_operator.conditions import Verdict, transitions
 from tally_operator.desired import desired_deployment, desired_pdb, desired_service, endpoint
 from tally_operator.kube import Kube, is_transient
+from tally_operator.metrics import OperatorMetrics
+from tally_operator.scrape import scrape
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec, SpecError, parse_spec
 from tally_operator.status import (
@@ -27,8 +30,20 @@ from tally_operator.status import (
     without_times,
     workload_verdicts,
 )
+from tally_operator.usage import (
+    MetricsParseError,
+    Round,
+    UsageState,
+    absorb,
+    judge,
+    parse_sample,
+    totals_from_status,
+    usage_status,
+)
 
 SETTINGS = OperatorSettings.from_env()
+METRICS = OperatorMetrics()
+LOG = logging.getLogger("tally_operator")
 MEMO_SECONDS = 10.0  # how long our own last write outranks a possibly stale body
 _kube: Kube | None = None
 
@@ -51,6 +66,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.name = "tally-operator"
     settings.peering.clusterwide = True
     kube()
+    if SETTINGS.metrics_port:
+        METRICS.serve(SETTINGS.metrics_port, SETTINGS.metrics_address)
+
+
+@kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, optional=True)
+def forget(name: str, namespace: str | None, **_: Any) -> None:
+    METRICS.forget(namespace or "", name)
 
 
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
@@ -96,8 +118,56 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_childre
             previous, invalid_verdicts(memo["apply_error"]), now(), generation, {"endpoint": endpoint(meta, SETTINGS)}))
         return
     fields = observed_fields(meta["name"], deployment, endpoint(meta, SETTINGS))
-    status = build_status(previous, workload_verdicts(spec, deployment, pods), now(), generation, fields)
-    write_status(body, patch, memo, previous, status)
+    verdicts = workload_verdicts(spec, deployment, pods)
+    checked = check_usage(meta, spec, pods, memo, previous)
+    if checked is not None:
+        fields["usage"], usage_verdict = checked
+        verdicts.append(usage_verdict)
+    write_status(body, patch, memo, previous, build_status(previous, verdicts, now(), generation, fields))
+
+
+def check_usage(meta: dict[str, str], spec: Spec, pods: list[dict[str, Any]], memo: kopf.Memo,
+                previous: dict[str, Any]) -> tuple[dict[str, object], Verdict] | None:
+    """Scrape the ready pods when the service's scrape interval is due; None when it is not."""
+    if time.monotonic() - memo.get("scraped_at", -1e9) < spec.scrape_interval_seconds:
+        return None
+    memo["scraped_at"] = time.monotonic()
+    if "usage" not in memo:  # first round in this process: resume totals, remember when we started
+        memo["usage"] = UsageState(totals=totals_from_status(previous.get("usage") or {}))
+        memo["since"] = "" if not previous.get("usage") else now()
+    state: UsageState = memo["usage"]
+    targets = {p["metadata"]["uid"]: f"http://{p['status']['podIP']}:{c.RUNTIME_PORT}/metrics"
+               for p in pods if is_ready(p)}
+    results = asyncio.run(scrape(targets, SETTINGS.scrape_concurrency, SETTINGS.scrape_timeout))
+    samples, failed = {}, set()
+    for uid, result in results.items():
+        try:
+            if isinstance(result, Exception):
+                raise result
+            samples[uid] = parse_sample(result)
+        except (Exception, MetricsParseError) as err:  # one pod's failure is that pod's alone
+            failed.add(uid)
+            LOG.info("Scraping pod %s of %s/%s failed: %s", uid, meta["namespace"], meta["name"], err)
+    new = frozenset(p["metadata"]["uid"] for p in pods if _created(p) >= memo["since"])
+    round_ = Round(samples, frozenset(failed), new)
+    absorb(state, round_)
+    verdict = judge(state, round_, spec.max_mismatch_ratio)
+    METRICS.record(meta["namespace"], meta["name"], state.totals, verdict.status, len(samples), len(failed))
+    return usage_status(state, round_, now()), verdict
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True"
+                for cond in status.get("conditions") or [])
+    return bool(ready and status.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _created(pod: dict[str, Any]) -> str:
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    if isinstance(created, datetime.datetime):
+        return created.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return str(created or "")
 
 
 def rejected(error: ApiException) -> SpecError:

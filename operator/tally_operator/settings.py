@@ -13,7 +13,8 @@ class OperatorSettings:
     reconcile_interval: float = 60.0  # seconds between full passes (re-apply children) per resource
     status_interval: float = 5.0  # seconds between status refreshes per resource (reads only)
     cluster_domain: str = "cluster.local"
-    metrics_port: int = 9090
+    metrics_port: int = 9090  # 0 disables the operator's /metrics server
+    metrics_address: str = "127.0.0.1"  # the chart sets 0.0.0.0 inside the pod
     scrape_concurrency: int = 16
     scrape_timeout: float = 3.0
 

@@ -41,12 +41,14 @@ class OperatorProcess:
         self.kubeconfig = kubeconfig
         self.log = log
         self.port = free_port()
+        self.metrics_port = free_port()
         self.extra_env = extra_env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "TALLY_OPERATOR_STATUS_INTERVAL": "1",
-               "TALLY_OPERATOR_RECONCILE_INTERVAL": "3", **self.extra_env}
+               "TALLY_OPERATOR_RECONCILE_INTERVAL": "3",
+               "TALLY_OPERATOR_METRICS_PORT": str(self.metrics_port), **self.extra_env}
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tally_operator", f"--liveness=http://127.0.0.1:{self.port}/healthz"],

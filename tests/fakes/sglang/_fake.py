@@ -19,6 +19,7 @@ import codecs
 import dataclasses
 import importlib.util
 import itertools
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ GENERATION_OF = {v: k for k, v in VERSIONS.items()}
 
 @dataclass
 class FakeConfig:
-    version: str = "0.5.23"
+    # Subprocesses (pod runtimes in end-to-end tests) configure the fake through the environment.
+    version: str = field(default_factory=lambda: os.environ.get("FAKE_SGLANG_VERSION", "0.5.23"))
+    ignore_switch: bool = field(default_factory=lambda: os.environ.get("FAKE_SGLANG_IGNORE_SWITCH") == "1")
     coalesce: tuple[int, ...] = (1,)  # outputs pending each time the consumer wakes, cycled
     context_len: int = 2048
     aborts: dict[str, tuple[int, str]] = field(default_factory=dict)  # prompt marker -> (after, kind)
@@ -214,7 +217,7 @@ class TokenizerManager:
         self.context_len = engine.server_args.context_length or current().context_len
         self.model_config = type("ModelConfig", (), {"vocab_size": len(self.tokenizer)})()
         if current().generation in "CD":  # the cached value the TM uses (0.5.16+)
-            self.incremental_streaming_output = bool(engine.server_args.incremental_streaming_output)
+            self.incremental_streaming_output = engine._incremental_flag
         self.seen_prompts: list[tuple[int, ...]] = []
         self.lock = asyncio.Lock()  # one request at a time on the shared llama.cpp context
         self.aborted: list[str] = []
@@ -237,6 +240,8 @@ class Engine:
 
     @property
     def _incremental_flag(self) -> bool:
+        if current().ignore_switch:  # what an attribute assignment after construction amounted to
+            return False
         gen = current().generation
         field_name = "stream_output" if gen in "AB" else "incremental_streaming_output"
         return bool(getattr(self.server_args, field_name))

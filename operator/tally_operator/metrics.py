@@ -1,0 +1,49 @@
+"""The operator's own /metrics: usage aggregates per CompletionService, labelled by namespace and name."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from tally_operator.usage import Counters
+
+PREFIX = "tally_service"
+_FIELDS = {
+    "requests": "Finished requests",
+    "prompt_tokens": "Prompt tokens (engine-sourced)",
+    "completion_tokens": "Completion tokens (engine-sourced)",
+    "cached_tokens": "Prompt tokens served from the prefix cache",
+    "mismatches": "Choices whose engine token count differed from the tokens streamed",
+    "derived_requests": "Requests whose usage the runtime had to count itself",
+}
+HEALTH_VALUES = {"True": 1.0, "False": 0.0, "Unknown": -1.0}
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["namespace", "name"]
+        self.totals = {f: Gauge(f"{PREFIX}_{f}", text, labels, registry=self.registry) for f, text in _FIELDS.items()}
+        self.healthy = Gauge(f"{PREFIX}_usage_healthy", "UsageHealthy: 1 True, 0 False, -1 Unknown", labels,
+                             registry=self.registry)
+        self.pods_scraped = Gauge(f"{PREFIX}_pods_scraped", "Pods scraped in the last round", labels,
+                                  registry=self.registry)
+        self.scrape_failures = Counter(f"{PREFIX}_scrape_failures", "Pod scrapes that failed", labels,
+                                       registry=self.registry)
+
+    def serve(self, port: int, address: str) -> None:
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def record(self, namespace: str, name: str, totals: Counters, health: str, scraped: int, failed: int) -> None:
+        for field, gauge in self.totals.items():
+            gauge.labels(namespace, name).set(getattr(totals, field))
+        self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
+        self.pods_scraped.labels(namespace, name).set(scraped)
+        if failed:
+            self.scrape_failures.labels(namespace, name).inc(failed)
+
+    def forget(self, namespace: str, name: str) -> None:
+        for metric in (*self.totals.values(), self.healthy, self.pods_scraped, self.scrape_failures):
+            with contextlib.suppress(KeyError):
+                metric.remove(namespace, name)
