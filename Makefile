@@ -22,7 +22,8 @@ bins:  ## control-plane binaries from Go modules (cached under ~/.cache/tally)
 serve: install  ## the runtime alone on 127.0.0.1:8000 with the embedded CPU model
 	$(VENV)/bin/tally-runtime serve
 
-run: serve  ## the main job
+run: install bins  ## the main job: cluster, chart, operator, an example service with real runtimes
+	hack/demo.sh up
 
 test: install bins  ## everything CI runs
 	$(PY) -m ruff check .
@@ -35,11 +36,11 @@ unit: install
 lint: install
 	$(PY) -m ruff check . && $(PY) -m mypy
 
-up: bins
+up: bins  ## the local control plane alone
 	hack/cluster.sh up
 
-down:
-	hack/cluster.sh down
+down:  ## stop everything `make run` or `make up` started
+	hack/demo.sh down
 
 env:
 	hack/cluster.sh env
