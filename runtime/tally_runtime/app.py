@@ -28,7 +28,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = time.monotonic()
         info = await engine.start()
-        metrics_ = Metrics()
+        metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens))
         metrics_.set_stream_mode(str(info.stream_mode))
         app.state.started = int(time.time())
         app.state.server = Server(

@@ -17,6 +17,8 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 
 @dataclass
 class Metrics:
     registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    # The engine's counters also hold its start-up probe, which no client asked for.
+    engine_offset: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -75,10 +77,13 @@ class Metrics:
 
     def render(self, engine_text: bytes = b"") -> bytes:
         """Our series, then the engine's own (SGLang's multiprocess collector), with the drift between them."""
-        if engine_text:
-            theirs = engine_totals(engine_text.decode())
-            self.drift.labels("prompt").set(_value(self.prompt_tokens) - theirs[n.SGLANG_PROMPT_TOKENS])
-            self.drift.labels("completion").set(_value(self.completion_tokens) - theirs[n.SGLANG_GENERATION_TOKENS])
+        theirs = engine_totals(engine_text.decode()) if engine_text else {}
+        if n.SGLANG_PROMPT_TOKENS in theirs:  # no drift is reported without SGLang's counters to compare with
+            their_prompt = theirs[n.SGLANG_PROMPT_TOKENS] - self.engine_offset[0]
+            self.drift.labels("prompt").set(_value(self.prompt_tokens) - their_prompt)
+        if n.SGLANG_GENERATION_TOKENS in theirs:
+            their_completion = theirs[n.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
+            self.drift.labels("completion").set(_value(self.completion_tokens) - their_completion)
         return generate_latest(self.registry) + engine_text
 
 
@@ -86,11 +91,11 @@ def engine_totals(text: str) -> dict[str, float]:
     """Sum SGLang's token counters over all their label sets."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = {n.SGLANG_PROMPT_TOKENS: 0.0, n.SGLANG_GENERATION_TOKENS: 0.0}
+    totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
+            if sample.name in (n.SGLANG_PROMPT_TOKENS, n.SGLANG_GENERATION_TOKENS):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 
@@ -99,12 +104,21 @@ def _value(counter: Counter) -> float:
 
 
 def sglang_series() -> bytes:
-    """SGLang's own series, when it exports them through PROMETHEUS_MULTIPROC_DIR (enable_metrics)."""
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not directory or not os.path.isdir(directory):
-        return b""
-    from prometheus_client import multiprocess
+    """SGLang's own series (enable_metrics): its scheduler and detokenizer write them to
+    PROMETHEUS_MULTIPROC_DIR; its tokenizer manager lives in this process, and since prometheus_client
+    was imported before SGLang set that variable, its counters are in this process's default registry."""
+    from prometheus_client import REGISTRY, multiprocess
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-    return generate_latest(registry)
+    text = _only_sglang(generate_latest(REGISTRY))
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory and os.path.isdir(directory):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        text += generate_latest(registry)
+    return text
+
+
+def _only_sglang(text: bytes) -> bytes:
+    keep = [line for line in text.splitlines(keepends=True)
+            if line.startswith(b"sglang:") or line.startswith((b"# HELP sglang:", b"# TYPE sglang:"))]
+    return b"".join(keep)

@@ -105,6 +105,9 @@ class EngineInfo:
     vocab_size: int
     stream_mode: StreamMode = StreamMode.INCREMENTAL
     engine_kind: str = "unknown"
+    # Tokens the engine spent on its own start-up probe: in its counters, never in any client's usage.
+    probe_prompt_tokens: int = 0
+    probe_completion_tokens: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
 

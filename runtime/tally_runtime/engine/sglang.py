@@ -100,6 +100,7 @@ class SGLangEngine:
         self._shape = StreamShape(ids_cumulative=False, text_cumulative=False)
         self._health = Health(False, "engine is starting")
         self._tokenizer: Any = None
+        self._probe_usage = (0, 0)
         self.generation: compat.Generation | None = None
 
     # ---- lifecycle
@@ -134,6 +135,7 @@ class SGLangEngine:
             model_path=self.settings.model_path, context_length=int(manager.context_len),
             vocab_size=int(getattr(manager.model_config, "vocab_size", 0) or len(self._tokenizer)),
             stream_mode=mode, engine_kind=f"sglang-{version}",
+            probe_prompt_tokens=self._probe_usage[0], probe_completion_tokens=self._probe_usage[1],
             extra={"generation": str(self.generation)},
         )
 
@@ -157,16 +159,19 @@ class SGLangEngine:
         ids = self.tokenize("The quick brown fox")
         params = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
         items: list[compat.ProbeItem] = []
+        prompt_tokens = 0
         generator = await self._engine.async_generate(
             input_ids=ids, sampling_params=sampling_params(params), stream=True, rid="tally-probe.")
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_SECONDS):
                 async for item in generator:
                     meta = item.get("meta_info") or {}
+                    prompt_tokens = int(meta.get("prompt_tokens") or prompt_tokens)
                     items.append(compat.ProbeItem(item.get("text") or "", tuple(item.get("output_ids") or ()),
                                                   int(meta.get("completion_tokens") or 0)))
         finally:
             await generator.aclose()
+        self._probe_usage = (prompt_tokens, items[-1].completion_tokens if items else 0)
         return compat.probe_shape(items)
 
     async def stop(self) -> None:
