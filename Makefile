@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install bins run serve test unit lint bench up down env clean
+.PHONY: install bins sglang-env run serve test test-sglang unit lint bench up down env
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,10 +25,17 @@ serve: install  ## the runtime alone on 127.0.0.1:8000 with the embedded CPU mod
 run: install bins  ## the main job: cluster, chart, operator, an example service with real runtimes
 	hack/demo.sh up
 
-test: install bins  ## everything CI runs
+sglang-env: install  ## real SGLang 0.5.23 in its own cached venv, and an HF checkpoint of the model
+	hack/sglang/env.sh
+
+test: install bins sglang-env  ## everything CI runs
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-sglang
+
+test-sglang:  ## the adapter against SGLang's own engine on the CPU (tests/sglang)
+	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_stub $$(hack/sglang/env.sh) -m pytest tests/sglang -p no:cacheprovider
 
 unit: install
 	$(PY) -m pytest tests/unit tests/contract

@@ -114,7 +114,7 @@ def sglang_series() -> bytes:
     if directory and os.path.isdir(directory):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-        text += generate_latest(registry)
+        text += _only_sglang(generate_latest(registry))  # ours are served from our own registry
     return text
 
 

@@ -1,0 +1,138 @@
+"""The SGLang adapter against SGLang 0.5.23's own engine (generation D) on the CPU.
+
+Conformance, coalescing under a slow consumer, engine-sourced usage (cached tokens included), the
+start-up probe, refusal of a cumulative engine, and aborts inside SGLang on disconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from runtime_harness import free_port, metric_value, sse_payloads, until
+from sglang_harness import ENGINE_ARGS, MODEL, sglang_env, start, stop
+
+pytestmark = pytest.mark.sglang
+PROMPT = "The capital of France is"
+
+
+def content(events: list[Any]) -> list[dict[str, Any]]:
+    return [e for e in events if isinstance(e, dict) and e.get("choices")]
+
+
+def test_probe_found_incremental_streaming(sglang_url: str) -> None:
+    metrics = httpx.get(f"{sglang_url}/metrics").text
+    assert metric_value(metrics, "tally_stream_mode", {"mode": "incremental"}) == 1
+    assert metric_value(metrics, "tally_engine_healthy") == 1
+    assert "sglang:num_running_reqs" in metrics  # SGLang's own series are served beside ours
+
+
+def test_stream_equals_non_stream(sglang_url: str) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{sglang_url}/v1/completions", json=body, timeout=120).json()
+    events = sse_payloads(httpx.post(f"{sglang_url}/v1/completions", timeout=120, json={
+        **body, "stream": True, "stream_options": {"include_usage": True}}).content)
+    text = "".join(c["choices"][0]["text"] for c in content(events))
+    assert text == plain["choices"][0]["text"] and "Paris" in text
+    usage = events[-2]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (plain["usage"]["prompt_tokens"], 10)
+    assert events[-1] == "[DONE]"
+
+
+def test_chat_stream(sglang_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name three colors."}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens <= 12
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in {"stop", "length"} and all(f is None for f in finishes[:-1])
+
+
+def test_slow_consumer_gets_coalesced_deltas_and_exact_usage(tmp_path: Any) -> None:
+    """A consumer slower than decoding lets SGLang's backlog coalesce several tokens per item (§3).
+
+    Driven on the adapter with the real engine in its own process (an HTTP client cannot slow the relay
+    enough: socket buffers absorb a whole short stream; and SGLang's shutdown kills its host's children).
+    """
+    here = Path(__file__).parent
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(here / "slow_consumer.py"), str(MODEL), ENGINE_ARGS, str(out)],
+                          env=sglang_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    fast, slow = result["fast"], result["slow"]
+    assert max(len(ids) for ids in slow["ids"]) > 1, "no coalesced item under a slow consumer"
+    for run in (fast, slow):
+        assert sum(len(ids) for ids in run["ids"]) == run["completion_tokens"] == 40
+    assert "".join(slow["text"]) == "".join(fast["text"])
+    assert [t for ids in slow["ids"] for t in ids] == [t for ids in fast["ids"] for t in ids]
+
+
+def test_repeated_prompt_reports_cached_tokens(sglang_url: str) -> None:
+    body = {"prompt": "A long shared prefix about the history of the city of Lyon and its bridges", "max_tokens": 2}
+    httpx.post(f"{sglang_url}/v1/completions", json=body, timeout=120)
+    again = httpx.post(f"{sglang_url}/v1/completions", json=body, timeout=120).json()["usage"]
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] <= again["prompt_tokens"]
+
+
+def test_drift_against_sglang_counters_is_zero(sglang_url: str) -> None:
+    httpx.post(f"{sglang_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=120)
+    metrics = httpx.get(f"{sglang_url}/metrics").text
+    assert until(lambda: metric_value(httpx.get(f"{sglang_url}/metrics").text,
+                                      "tally_engine_usage_drift_tokens", {"kind": "completion"}) == 0, 10)
+    assert "sglang:generation_tokens_total" in metrics
+
+
+def test_disconnect_aborts_inside_sglang(sglang_url: str) -> None:
+    def running() -> float:
+        return metric_value(httpx.get(f"{sglang_url}/metrics").text, "sglang:num_running_reqs")
+
+    host, port = sglang_url.removeprefix("http://").split(":")
+    body = b'{"prompt": "Count to one thousand:", "max_tokens": 1500, "ignore_eos": true, "stream": true}'
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert until(lambda: running() >= 1, 30)
+    assert until(lambda: running() == 0 and metric_value(httpx.get(f"{sglang_url}/metrics").text,
+                                                         "tally_inflight_generations") == 0, 30)
+
+
+def test_cumulative_engine_is_refused(tmp_path: Any, sglang_url: str) -> None:
+    """SGLang with incremental streaming off: /health 503 with the reason, deltas still right."""
+    port = free_port()
+    here = __file__.rsplit("/", 1)[0]
+    proc, _ = start([sys.executable, f"{here}/cumulative_server.py", "--engine", "sglang", "--port", str(port),
+                     "--model-path", str(MODEL), f"--engine-args={ENGINE_ARGS}"], tmp_path / "cumulative.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def health() -> httpx.Response | None:
+            try:
+                response = httpx.get(f"{url}/health", timeout=2)
+            except httpx.HTTPError:
+                return None
+            return response if "reason" in response.text else None
+
+        assert until(lambda: health() is not None, 300), (tmp_path / "cumulative.log").read_text()[-3000:]
+        refused = health()
+        assert refused is not None and refused.status_code == 503
+        assert "incremental streaming off" in refused.json()["reason"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert metric_value(metrics, "tally_stream_mode", {"mode": "cumulative"}) == 1
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        plain = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        events = sse_payloads(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=120).content)
+        assert "".join(c["choices"][0]["text"] for c in content(events)) == plain["choices"][0]["text"]
+        assert plain["usage"]["completion_tokens"] == 8
+    finally:
+        stop(proc)
