@@ -1,0 +1,74 @@
+"""Pure builders: spec -> Deployment / Service / PDB, and spec checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tally_operator.desired import desired_deployment, desired_pdb, desired_service, runtime_args
+from tally_operator.settings import OperatorSettings
+from tally_operator.spec import SpecError, parse_spec
+
+META = {"name": "llama", "namespace": "team-a", "uid": "u-1"}
+SGLANG = {"model": {"name": "llama-8b", "path": "/models/llama"}, "engine": {"kind": "sglang", "tensorParallelSize": 2,
+          "args": ["--stream-interval", "2"]}, "replicas": 3, "resources": {"gpus": 4}}
+
+
+def container(raw: dict[str, Any]) -> dict[str, Any]:
+    return dict(desired_deployment(META, parse_spec(raw), OperatorSettings())["spec"]["template"]["spec"]
+                ["containers"][0])
+
+
+def test_deployment_has_gpu_limits_probes_shm_and_safe_rollout() -> None:
+    dep = desired_deployment(META, parse_spec(SGLANG), OperatorSettings(runtime_image="rt:1"))
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "rt:1" and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert dep["spec"]["selector"] == {"matchLabels": {"serving.tally.dev/completionservice": "llama"}}
+    assert dep["metadata"]["ownerReferences"][0] == {"apiVersion": "serving.tally.dev/v1alpha1",
+                                                     "kind": "CompletionService", "name": "llama", "uid": "u-1",
+                                                     "controller": True, "blockOwnerDeletion": True}
+    assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_runtime_args_carry_the_sglang_settings() -> None:
+    args = runtime_args(parse_spec(SGLANG))
+    assert args[:7] == ["serve", "--host", "0.0.0.0", "--port", "8000", "--engine", "sglang"]
+    pairs = dict(zip(args[1::2], args[2::2], strict=False))
+    assert pairs["--tensor-parallel-size"] == "2" and pairs["--data-parallel-size"] == "2"
+    assert pairs["--model-path"] == "/models/llama" and args[-1] == "--engine-args=--stream-interval 2"
+
+
+def test_cpu_engine_without_gpus_has_no_gpu_limit_or_toleration() -> None:
+    c = container({"model": {"name": "m"}, "engine": {"kind": "cpu"}, "resources": {"gpus": 0}})
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert "--model-path" not in c["args"]
+
+
+def test_service_and_pdb() -> None:
+    spec = parse_spec(SGLANG)
+    svc = desired_service(META)
+    assert svc["spec"]["ports"][0]["port"] == 8000 and svc["spec"]["type"] == "ClusterIP"
+    pdb = desired_pdb(META, spec)
+    assert pdb is not None and pdb["spec"]["maxUnavailable"] == 1
+    assert desired_pdb(META, parse_spec({**SGLANG, "replicas": 1})) is None
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    pytest.param({**SGLANG, "engine": {"kind": "sglang", "args": ["--port=9"]}}, "OwnedEngineArgument", id="owned"),
+    pytest.param({**SGLANG, "engine": {"kind": "sglang", "args": ["--stream-output"]}}, "OwnedEngineArgument",
+                 id="streaming-switch-is-ours"),
+    pytest.param({**SGLANG, "resources": {"gpus": 3}}, "GPUsNotDivisible", id="tp"),
+    pytest.param({"model": {"name": "m"}, "engine": {"kind": "sglang"}}, "InvalidSpec", id="sglang-needs-path"),
+    pytest.param({"model": {}}, "InvalidSpec", id="no-name"),
+])
+def test_invalid_specs(raw: dict[str, Any], reason: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(raw)
+    assert caught.value.reason == reason

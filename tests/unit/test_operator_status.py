@@ -1,0 +1,137 @@
+"""Pure status: conditions bookkeeping, verdicts from the Deployment and pods, usage deltas and health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tally_operator.conditions import Verdict, set_condition, transitions
+from tally_operator.spec import parse_spec
+from tally_operator.status import build_status, without_times, workload_verdicts
+from tally_operator.usage import (
+    Counters,
+    MetricsParseError,
+    PodSample,
+    Round,
+    UsageState,
+    absorb,
+    judge,
+    parse_sample,
+)
+
+SPEC = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}, "replicas": 2})
+
+
+def deployment(ready: int, updated: int = 2, replicas: int = 2, **conditions: str) -> dict[str, Any]:
+    return {"metadata": {"generation": 3}, "status": {
+        "observedGeneration": 3, "replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
+        "conditions": [{"type": k, "status": "True", "reason": v} for k, v in conditions.items()]}}
+
+
+def by_type(verdicts: list[Verdict]) -> dict[str, Verdict]:
+    return {v.type: v for v in verdicts}
+
+
+def test_transition_time_moves_only_on_a_flip() -> None:
+    first = set_condition([], Verdict("Ready", "False", "WaitingForPods", "0 of 2"), "t1", 1)
+    same = set_condition(first, Verdict("Ready", "False", "WaitingForPods", "1 of 2"), "t2", 1)
+    flipped = set_condition(same, Verdict("Ready", "True", "AllReplicasReady", "2 of 2"), "t3", 2)
+    assert same[0]["lastTransitionTime"] == "t1" and flipped[0]["lastTransitionTime"] == "t3"
+    assert flipped[0]["observedGeneration"] == 2
+    assert [c["type"] for c in transitions(first, flipped)] == ["Ready"]
+    assert transitions(first, same) == []
+
+
+@pytest.mark.parametrize(("dep", "pods", "ready", "progressing"), [
+    pytest.param(deployment(2), [], ("True", "AllReplicasReady"), ("False", "Stable"), id="ready"),
+    pytest.param(deployment(1), [], ("False", "WaitingForPods"), ("True", "RollingOut"), id="rolling"),
+    pytest.param(None, [], ("False", "WaitingForPods"), ("True", "RollingOut"), id="no-deployment-yet"),
+    pytest.param(deployment(0, 0), [{"status": {"conditions": [{"type": "PodScheduled", "reason": "Unschedulable",
+                 "message": "0/2 nodes: Insufficient nvidia.com/gpu"}]}}], ("False", "Unschedulable"),
+                 ("True", "Unschedulable"), id="no-gpus"),
+])
+def test_workload_verdicts(dep: dict[str, Any] | None, pods: list[dict[str, Any]], ready: tuple[str, str],
+                           progressing: tuple[str, str]) -> None:
+    verdicts = by_type(workload_verdicts(SPEC, dep, pods))
+    assert (verdicts["Ready"].status, verdicts["Ready"].reason) == ready
+    assert (verdicts["Progressing"].status, verdicts["Progressing"].reason) == progressing
+
+
+def test_degraded_on_deadline() -> None:
+    verdicts = by_type(workload_verdicts(SPEC, deployment(1, Progressing="ProgressDeadlineExceeded"), []))
+    assert verdicts["Degraded"].status == "True"
+
+
+def test_build_status_keeps_usage_and_orders_conditions() -> None:
+    previous = {"usage": {"requests": 3}, "conditions": [{"type": "UsageHealthy", "status": "True", "reason": "x",
+                                                         "message": "", "lastTransitionTime": "t0"}]}
+    status = build_status(previous, workload_verdicts(SPEC, deployment(2), []), "t1", 3, {"replicas": 2})
+    assert status["usage"] == {"requests": 3} and status["observedGeneration"] == 3
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "UsageHealthy"]
+    assert without_times(status) == without_times(build_status(status, [], "t9", 3, {"replicas": 2}))
+
+
+METRICS = """# TYPE tally_requests counter
+tally_requests_total{endpoint="completions",outcome="ok",finish_reason="length"} 4
+tally_requests_total{endpoint="completions",outcome="invalid",finish_reason="none"} 7
+# TYPE tally_prompt_tokens counter
+tally_prompt_tokens_total 40
+# TYPE tally_completion_tokens counter
+tally_completion_tokens_total 64
+# TYPE tally_usage_mismatches counter
+tally_usage_mismatches_total 0
+# TYPE tally_stream_mode gauge
+tally_stream_mode{mode="incremental"} 1
+tally_stream_mode{mode="cumulative"} 0
+"""
+
+
+def test_parse_sample_counts_finished_requests_only() -> None:
+    sample = parse_sample(METRICS)
+    assert sample.counters.requests == 4 and sample.counters.completion_tokens == 64
+    assert sample.stream_mode == "incremental"
+    with pytest.raises(MetricsParseError):
+        parse_sample("garbage {{{")
+    with pytest.raises(MetricsParseError):
+        parse_sample("# TYPE other counter\nother_total 1\n")
+
+
+def sample(completion: float, mismatches: float = 0, mode: str = "incremental") -> PodSample:
+    return PodSample(Counters(requests=completion / 4, completion_tokens=completion, mismatches=mismatches), mode)
+
+
+def test_counter_reset_is_new_usage_not_negative() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": sample(100)}, new_pods=frozenset({"a"})))
+    absorb(state, Round({"a": sample(140)}))
+    absorb(state, Round({"a": sample(12)}))  # the pod restarted: its counters began again at zero
+    assert state.totals.completion_tokens == 152
+
+
+def test_pods_seen_first_after_an_operator_restart_are_a_baseline() -> None:
+    state = UsageState(totals=Counters(completion_tokens=500))
+    absorb(state, Round({"old": sample(300)}))  # already counted before the restart
+    absorb(state, Round({"old": sample(320), "new": sample(8)}, new_pods=frozenset({"new"})))
+    assert state.totals.completion_tokens == 500 + 20 + 8
+
+
+def test_health_hysteresis_and_reasons() -> None:
+    state = UsageState()
+    bad = Round({"a": sample(40, mismatches=1)}, new_pods=frozenset({"a"}))
+    absorb(state, bad)
+    assert judge(state, bad, 0.0).reason == "UsageMismatch"
+    for _ in range(10):  # the window of recent rounds slides past the mismatch
+        clean = Round({"a": sample(40, mismatches=1)})
+        absorb(state, clean)
+    assert judge(state, clean, 0.0).status == "False"  # hysteresis: one clean round is not enough
+    assert judge(state, clean, 0.0).status == "True"
+    cumulative = Round({"a": sample(40, mismatches=1, mode="cumulative")})
+    absorb(state, cumulative)
+    assert judge(state, cumulative, 0.0).reason == "CumulativeStreaming"
+    first_good = Round({"a": sample(40, mismatches=1)})
+    absorb(state, first_good)
+    assert judge(state, first_good, 0.0).status == "False"  # one clean round is not enough
+    absorb(state, first_good)
+    assert judge(state, first_good, 0.0).status == "True"
+    assert judge(UsageState(), Round({}, failed=frozenset({"x"})), 0.0).status == "Unknown"
