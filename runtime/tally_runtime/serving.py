@@ -232,8 +232,8 @@ class Run:
         self.started = time.monotonic()
         self.first_token_seen = False
         self.last_token_at: dict[int, float] = {}  # per choice: inter-token latency is per choice
-        self.first: tuple[int, Delta] | None = None
-        self.events: AsyncIterator[tuple[int, Delta]] = merge_choices(server.engine, job.requests())
+        self.first: list[tuple[int, Delta]] | None = None
+        self.events: AsyncIterator[list[tuple[int, Delta]]] = merge_choices(server.engine, job.requests())
         self.outcome = names.OUTCOME_ABORTED
         self.finish_reason = "none"
         self.closed = False
@@ -247,13 +247,19 @@ class Run:
             status = err.status_code if 400 <= err.status_code < 600 else 500
             raise ApiError(status, err.message) from None
 
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """The choices' deltas, each observed for usage and latency before it is rendered."""
+    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """Deltas in arrival order, in batches of whatever piled up while we were sending."""
         if self.first is not None:
             first, self.first = self.first, None
-            yield self._observed(*first)
-        async for index, delta in self.events:
-            yield self._observed(index, delta)
+            yield first
+        async for batch in self.events:
+            yield batch
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """The choices' deltas one by one, each observed for usage and latency."""
+        async for batch in self.batches():
+            for index, delta in batch:
+                yield self._observed(index, delta)
 
     def _observed(self, index: int, delta: Delta) -> tuple[int, Delta]:
         self.usage[index].observe(delta)
@@ -297,9 +303,22 @@ class Run:
         )
         opened: set[int] = set()
         try:
-            async for index, delta in self.deltas():
-                for event in self._render(chunks, opened, index, delta):
-                    yield sse.event(event)
+            # One write per batch: when the client lags, the deltas that piled up go out together,
+            # each still its own `data:` event, in order.
+            async for batch in self.batches():
+                out: list[bytes] = []
+                failure: EngineError | None = None
+                for index, delta in batch:
+                    try:
+                        self._observed(index, delta)
+                    except EngineError as err:
+                        failure = err
+                        break
+                    out.extend(sse.event(event) for event in self._render(chunks, opened, index, delta))
+                if out:
+                    yield b"".join(out)
+                if failure is not None:
+                    raise failure
             if job.include_usage:
                 yield sse.event(chunks.usage(request_usage(self.usage).as_openai()))
             self.outcome = names.OUTCOME_OK
@@ -360,13 +379,13 @@ class Run:
         return completion_response(job.header, results, usage)
 
 
-async def merge_choices(engine: Engine, requests: Sequence[GenerationRequest]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave the deltas of several choices in arrival order; closing this aborts them all."""
-    if len(requests) == 1:
-        async with aclosing(engine.generate(requests[0])) as only:  # type: ignore[type-var]
-            async for delta in only:
-                yield 0, delta
-        return
+async def merge_choices(engine: Engine,
+                        requests: Sequence[GenerationRequest]) -> AsyncIterator[list[tuple[int, Delta]]]:
+    """Interleave the choices' deltas in arrival order, batching whatever is already waiting.
+
+    Each choice is pumped by its own task into one queue, so a slow consumer finds several deltas ready
+    and takes them at once. Closing this aborts every choice still running.
+    """
     queue: asyncio.Queue[tuple[int, Delta | Exception]] = asyncio.Queue()
 
     async def pump(index: int, request: GenerationRequest) -> None:
@@ -381,13 +400,19 @@ async def merge_choices(engine: Engine, requests: Sequence[GenerationRequest]) -
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            delta = item
-            if delta.finish_reason is not None:
-                remaining -= 1
-            yield index, delta
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch: list[tuple[int, Delta]] = []
+            for index, item in items:
+                if isinstance(item, Exception):
+                    if batch:
+                        yield batch
+                    raise item
+                batch.append((index, item))
+                if item.finish_reason is not None:
+                    remaining -= 1
+            yield batch
     finally:
         for task in tasks:
             task.cancel()

@@ -162,3 +162,20 @@ def test_operator_log_has_no_tracebacks_from_our_code(operator: OperatorProcess)
     blocks = Path(operator.log).read_text().split("Traceback (most recent call last):")[1:]
     ours = [b for b in blocks if "tally_operator" in b.split("\n20")[0]]
     assert not ours, ours[0][:3000]
+
+
+@pytest.mark.parametrize("example_file", ["smollm-cpu.yaml", "llama-sglang.yaml"])
+def test_builders_pass_the_servers_schema_validation(kube: Kubectl, namespace: str, example_file: str) -> None:
+    """Desired objects are valid for this Kubernetes version (server-side dry run, strict field validation)."""
+    from tally_operator.desired import desired_deployment, desired_pdb, desired_service
+    from tally_operator.settings import OperatorSettings
+    from tally_operator.spec import parse_spec
+
+    raw = yaml.safe_load((ROOT / "crds" / "examples" / example_file).read_text())
+    meta = {"name": raw["metadata"]["name"], "namespace": namespace, "uid": "00000000-0000-0000-0000-000000000001"}
+    spec = parse_spec(raw["spec"])
+    for obj in (desired_deployment(meta, spec, OperatorSettings()), desired_service(meta), desired_pdb(meta, spec)):
+        assert obj is not None
+        done = subprocess.run(["kubectl", "apply", "--dry-run=server", "--validate=strict", "-f", "-"],
+                              input=json.dumps(obj), text=True, capture_output=True, env=kube.env)
+        assert done.returncode == 0, done.stderr

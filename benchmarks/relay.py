@@ -1,0 +1,273 @@
+"""Relay overhead: Tally's SSE path against two baselines in the same invocation.
+
+Three servers, each in its own process under uvicorn on loopback, stream N tokens per request from an
+engine that yields as fast as it can (no model):
+  ceiling   a bare ASGI app sending precomputed bytes, one event per token
+  pydantic  a FastAPI route building a pydantic model per chunk (model_dump_json), as common servers do
+  tally     the real runtime app (create_app) over the same token source
+An asyncio client reads every byte of C concurrent streams. Reported per server: tokens/s delivered,
+inter-chunk gap p50/p99 at the client, server CPU seconds per 1k tokens; and ratios against both baselines.
+
+    python benchmarks/relay.py [--streams 1,64,256] [--tokens 256] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the three servers (run in child processes: `relay.py serve <kind> <port>`)
+
+class FastEngine:
+    """Token source with no model: one token per delta, engine-style cumulative counts."""
+
+    async def start(self) -> Any:
+        from tally_runtime.engine.base import EngineInfo
+
+        return EngineInfo(model_path="none", context_length=1 << 20, vocab_size=1000, engine_kind="fast")
+
+    async def stop(self) -> None:
+        return None
+
+    def health(self) -> Any:
+        from tally_runtime.engine.base import Health
+
+        return Health(True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1] * max(1, len(text.split()))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " tok" * len(ids)
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        return " ".join(m["content"] for m in messages)
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        from tally_runtime.engine.base import Delta, FinishReason
+
+        n = request.sampling.max_tokens
+        prompt = len(request.prompt_ids)
+        for i in range(1, n + 1):
+            yield Delta(text=" tok", token_ids=(7,), prompt_tokens=prompt, completion_tokens=i,
+                        finish_reason=FinishReason.LENGTH if i == n else None)
+            if i % 16 == 0:
+                await asyncio.sleep(0)  # an engine hands control back now and then
+
+
+def ceiling_app(tokens_hint: int) -> Any:
+    event = (b'data: {"id":"cmpl-x","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+             b'"text":" tok","logprobs":null,"finish_reason":null}],"usage":null}\n\n')
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = json.loads((await receive())["body"] or b"{}")
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(int(body.get("max_tokens", tokens_hint))):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            if i % 16 == 0:
+                await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+class Chunk(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Any = None
+
+
+class CompletionBody(BaseModel):
+    prompt: str
+    max_tokens: int = 16
+    stream: bool = False
+
+
+def pydantic_app() -> Any:
+    """The straightforward implementation: a pydantic model built and dumped per chunk."""
+    app = FastAPI()
+    engine = FastEngine()
+
+    @app.post("/v1/completions")
+    async def complete(body: CompletionBody) -> StreamingResponse:
+        from tally_runtime.engine.base import GenerationRequest, SamplingParams
+
+        gen = GenerationRequest("r.", engine.tokenize(body.prompt), SamplingParams(max_tokens=body.max_tokens))
+
+        async def stream() -> AsyncIterator[str]:
+            async for delta in engine.generate(gen):
+                chunk = Chunk(id="cmpl-x", created=int(time.time()), model="m", choices=[
+                    Choice(index=0, text=delta.text,
+                           finish_reason=str(delta.finish_reason) if delta.finish_reason else None)])
+                yield f"data: {chunk.model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+def tally_app() -> Any:
+    from tally_runtime.app import create_app
+    from tally_runtime.settings import Settings
+
+    return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m"), FastEngine())
+
+
+def serve(kind: str, port: int) -> None:
+    import uvicorn
+
+    app = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app}[kind]()
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# ---- the client
+
+async def one_stream(port: int, tokens: int) -> tuple[int, list[float]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"prompt": "hello", "max_tokens": tokens, "stream": True, "model": "m"}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    gaps: list[float] = []
+    events = 0
+    buffer = b""
+    last = time.perf_counter()
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            break
+        now = time.perf_counter()
+        new = data.count(b"\n\ndata: ") + (1 if not buffer and data.find(b"data: ") >= 0 else 0)
+        if new:
+            gaps.append((now - last) / new)
+            last = now
+        events += data.count(b'"text":')
+        buffer = data[-16:]
+        if b"data: [DONE]\n\n" in buffer or data.endswith(b"[DONE]\n\n") or data.endswith(b"0\r\n\r\n"):
+            break
+    writer.close()
+    return events, gaps
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(port: int, pid: int, streams: int, tokens: int) -> dict[str, float]:
+    await one_stream(port, 32)  # warm up
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    results = await asyncio.gather(*(one_stream(port, tokens) for _ in range(streams)))
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    delivered = sum(r[0] for r in results)
+    gaps = sorted(g for r in results for g in r[1])
+    return {
+        "tokens": delivered,
+        "expected": streams * tokens,
+        "tokens_per_s": delivered / elapsed,
+        "gap_p50_us": 1e6 * statistics.median(gaps) if gaps else 0.0,
+        "gap_p99_us": 1e6 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+        "cpu_s_per_1k_tokens": 1000 * cpu / max(delivered, 1),
+    }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(kind: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "serve", kind, str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            import socket
+
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{kind} server did not start")
+
+
+def run(streams: Sequence[int], tokens: int) -> dict[str, Any]:
+    report: dict[str, Any] = {"tokens_per_stream": tokens, "results": {}}
+    for kind in ("ceiling", "pydantic", "tally"):
+        proc, port = start_server(kind)
+        try:
+            report["results"][kind] = {str(c): asyncio.run(measure(port, proc.pid, c, tokens)) for c in streams}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    ratios: dict[str, Any] = {}
+    for c in map(str, streams):
+        r = report["results"]
+        ratios[c] = {
+            "throughput_vs_ceiling": r["tally"][c]["tokens_per_s"] / r["ceiling"][c]["tokens_per_s"],
+            "throughput_vs_pydantic": r["tally"][c]["tokens_per_s"] / r["pydantic"][c]["tokens_per_s"],
+            "cpu_vs_pydantic": r["tally"][c]["cpu_s_per_1k_tokens"] / r["pydantic"][c]["cpu_s_per_1k_tokens"],
+        }
+    report["ratios"] = ratios
+    return report
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        serve(sys.argv[2], int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,64,256")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    report = run([int(s) for s in args.streams.split(",")], args.tokens)
+    for kind, by_c in report["results"].items():
+        for c, r in by_c.items():
+            print(f"{kind:9} streams={c:>4} tok/s={r['tokens_per_s']:>10.0f} delivered={r['tokens']}/{r['expected']} "
+                  f"gap p50={r['gap_p50_us']:.0f}us p99={r['gap_p99_us']:.0f}us "
+                  f"cpu/1k tok={r['cpu_s_per_1k_tokens'] * 1000:.1f}ms")
+    for c, r in report["ratios"].items():
+        print(f"tally streams={c:>4}: {r['throughput_vs_ceiling']:.2f}x ceiling, "
+              f"{r['throughput_vs_pydantic']:.2f}x pydantic throughput, {r['cpu_vs_pydantic']:.2f}x pydantic CPU")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
