@@ -32,6 +32,7 @@ test: install bins sglang-env  ## everything CI runs
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory bench
 	$(MAKE) --no-print-directory test-sglang
 
 test-sglang:  ## the adapter against SGLang's own engine on the CPU (tests/sglang)
@@ -42,6 +43,11 @@ unit: install
 
 lint: install
 	$(PY) -m ruff check . && $(PY) -m mypy
+
+bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/README.md)
+	$(PY) benchmarks/relay.py --streams 1,8 --tokens 256
+	$(PY) benchmarks/usage_truth.py --streams 16 --tokens 4
+	$(PY) benchmarks/operator_scale.py --services 0 --pods 50
 
 up: bins  ## the local control plane alone
 	hack/cluster.sh up

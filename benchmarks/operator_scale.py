@@ -1,0 +1,176 @@
+"""Operator scale on the local control plane, against the API server's own ceiling in the same run.
+
+1. ceiling: a plain client applies the Deployments and Services the operator would build for N services
+   (the same builders), and we wait until every Deployment is Available (kcm + scheduler + kwok).
+2. operator: N CompletionServices; we wait until every one reports Ready=True, and sample the operator
+   process's CPU time and peak memory.
+3. one scrape round over P pods' /metrics (real runtime metrics text, served on loopback) with the
+   operator's scrape + parse code.
+
+    python benchmarks/operator_scale.py [--services 200] [--pods 500] [--json out.json]
+(brings the local control plane up if needed; leaves it up)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+from kube_harness import Kubectl, cluster_env  # noqa: E402
+
+from tally_operator.desired import desired_deployment, desired_service  # noqa: E402
+from tally_operator.scrape import scrape  # noqa: E402
+from tally_operator.settings import OperatorSettings  # noqa: E402
+from tally_operator.spec import parse_spec  # noqa: E402
+from tally_operator.usage import parse_sample  # noqa: E402
+
+SPEC = {"model": {"name": "m"}, "engine": {"kind": "cpu"}, "replicas": 1,
+        "resources": {"gpus": 0, "cpu": "100m", "memory": "64Mi"},
+        "scheduling": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "usageHealth": {"scrapeIntervalSeconds": 60}}
+
+
+def wait(predicate: Any, deadline: float) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < deadline:
+        if predicate():
+            return time.perf_counter() - start
+        time.sleep(0.5)
+    raise TimeoutError("not reached")
+
+
+def apply_all(kubectl: Kubectl, namespace: str, objects: list[dict[str, Any]]) -> None:
+    kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                     "items": objects}))
+
+
+def ceiling(kubectl: Kubectl, n: int) -> float:
+    ns = "bench-ceiling"
+    kubectl("create", "namespace", ns, check=False)
+    spec = parse_spec(SPEC)
+    objects: list[dict[str, Any]] = []
+    for i in range(n):
+        meta = {"name": f"svc-{i}", "namespace": ns, "uid": "00000000-0000-0000-0000-000000000000"}
+        dep, svc = desired_deployment(meta, spec, OperatorSettings()), desired_service(meta)
+        for obj in (dep, svc):
+            obj["metadata"].pop("ownerReferences")
+        objects += [dep, svc]
+    start = time.perf_counter()
+    apply_all(kubectl, ns, objects)
+
+    def available() -> bool:
+        items = kubectl.json("get", "deployments", "-n", ns)["items"]
+        return len(items) == n and all((d.get("status") or {}).get("availableReplicas") == 1 for d in items)
+
+    wait(available, 900)
+    return time.perf_counter() - start
+
+
+def operator_run(kubectl: Kubectl, env: dict[str, str], n: int) -> dict[str, float]:
+    ns = "bench-operator"
+    kubectl("apply", "-f", str(ROOT / "crds"))
+    kubectl("create", "namespace", ns, check=False)
+    log = open(ROOT / ".tally" / "bench-operator.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "tally_operator", "--standalone", "--log-level=WARNING",
+                             "--liveness=http://127.0.0.1:18099/healthz"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**env, "TALLY_OPERATOR_METRICS_PORT": "0", "TALLY_OPERATOR_STATUS_INTERVAL": "5"})
+    try:
+        time.sleep(3)  # let it start watching; creation below is timed, not this
+        items = [{"apiVersion": "serving.tally.dev/v1alpha1", "kind": "CompletionService",
+                  "metadata": {"name": f"svc-{i}"}, "spec": SPEC} for i in range(n)]
+        cpu0 = cpu_seconds(proc.pid)
+        start = time.perf_counter()
+        apply_all(kubectl, ns, items)
+
+        def all_ready() -> bool:
+            got = kubectl.json("get", "completionservices", "-n", ns)["items"]
+            ready = [c for c in got if any(x["type"] == "Ready" and x["status"] == "True"
+                                           for x in (c.get("status") or {}).get("conditions") or [])]
+            return len(ready) == n
+
+        wait(all_ready, 1800)
+        elapsed = time.perf_counter() - start
+        return {"seconds": elapsed, "cpu_seconds": cpu_seconds(proc.pid) - cpu0, "peak_rss_mb": peak_rss_mb(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def scrape_round(pods: int) -> dict[str, float]:
+    """One round over `pods` endpoints serving a real runtime's /metrics text."""
+    sample = (ROOT / "benchmarks" / "runtime_metrics.txt").read_text().encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(sample)))
+            self.end_headers()
+            self.wfile.write(sample)
+
+        def log_message(self, *_: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    urls = {f"pod-{i}": f"http://127.0.0.1:{port}/metrics?pod={i}" for i in range(pods)}
+    try:
+        start, cpu0 = time.perf_counter(), time.process_time()
+        results = asyncio.run(scrape(urls, 16, 3.0))
+        fetched = time.perf_counter() - start
+        parsed = [parse_sample(text) for text in results.values() if isinstance(text, str)]
+        total = time.perf_counter() - start
+        return {"pods": pods, "ok": len(parsed), "seconds": total, "fetch_seconds": fetched,
+                "client_cpu_seconds": time.process_time() - cpu0}
+    finally:
+        server.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--services", type=int, default=200)
+    parser.add_argument("--pods", type=int, default=500)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"scrape_round": scrape_round(args.pods)}
+    if args.services:
+        env = cluster_env()
+        kubectl = Kubectl(env)
+        report["services"] = args.services
+        report["ceiling_seconds"] = ceiling(kubectl, args.services)
+        kubectl("delete", "namespace", "bench-ceiling", "--wait=false", check=False)
+        report["operator"] = operator_run(kubectl, env, args.services)
+        report["ratio_vs_ceiling"] = report["operator"]["seconds"] / report["ceiling_seconds"]
+        report["operator_mb_per_service"] = report["operator"]["peak_rss_mb"] / args.services
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
