@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "fakes"))
 
 import sglang  # noqa: E402  (the contract fake)
+
 from tally_runtime.app import create_app  # noqa: E402
 from tally_runtime.engine.sglang import SGLangEngine  # noqa: E402
 from tally_runtime.settings import Settings  # noqa: E402

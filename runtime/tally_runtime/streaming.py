@@ -57,6 +57,11 @@ class ResponseHeader:
     created: int
     model: str
 
+    def envelope(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """One response object or chunk: the same id and created on every chunk of a response."""
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage}
+
 
 @dataclass(slots=True)
 class CompletionChunks:
@@ -81,15 +86,7 @@ class CompletionChunks:
         return self._envelope([], usage)
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-        h = self.header
-        return {
-            "id": h.id,
-            "object": "text_completion",
-            "created": h.created,
-            "model": h.model,
-            "choices": choices,
-            "usage": usage,
-        }
+        return self.header.envelope("text_completion", choices, usage)
 
 
 @dataclass(slots=True)
@@ -119,15 +116,7 @@ class ChatChunks:
         return self._envelope([], usage)
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-        h = self.header
-        return {
-            "id": h.id,
-            "object": "chat.completion.chunk",
-            "created": h.created,
-            "model": h.model,
-            "choices": choices,
-            "usage": usage,
-        }
+        return self.header.envelope("chat.completion.chunk", choices, usage)
 
 
 @dataclass(slots=True)
@@ -149,14 +138,7 @@ def completion_response(
         choices.append(
             {"index": result.index, "text": result.text, "logprobs": rendered, "finish_reason": result.finish_reason}
         )
-    return {
-        "id": header.id,
-        "object": "text_completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": choices,
-        "usage": usage,
-    }
+    return header.envelope("text_completion", choices, usage)
 
 
 def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
@@ -170,11 +152,4 @@ def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage
                 "finish_reason": result.finish_reason,
             }
         )
-    return {
-        "id": header.id,
-        "object": "chat.completion",
-        "created": header.created,
-        "model": header.model,
-        "choices": choices,
-        "usage": usage,
-    }
+    return header.envelope("chat.completion", choices, usage)

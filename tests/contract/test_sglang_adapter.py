@@ -89,7 +89,7 @@ def test_cumulative_engine_is_refused_unless_allowed() -> None:
                 sglang.Engine.__init__ = original  # type: ignore[method-assign]
 
     refused = Ignoring(settings())
-    with serving_unhealthy(create_app(settings(), refused)) as url:
+    with serving(create_app(settings(), refused), health=503) as url:
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and "incremental streaming off" in health.json()["reason"]
         body = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
@@ -102,38 +102,6 @@ def test_cumulative_engine_is_refused_unless_allowed() -> None:
         events = sse_payloads(httpx.post(f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=60).content)
         text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
         assert text == plain["choices"][0]["text"]
-
-
-def serving_unhealthy(app: Any) -> Any:
-    """`serving` waits for 200 on /health; an engine refused at start-up never gets there."""
-    import threading
-    from contextlib import contextmanager
-
-    import uvicorn
-    from runtime_harness import free_port, until
-
-    @contextmanager
-    def run() -> Iterator[str]:
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            assert until(lambda: _status(url) == 503, 60)
-            yield url
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
-
-    return run()
-
-
-def _status(url: str) -> int:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def test_cumulative_items_to_an_incremental_consumer_fail_loudly() -> None:

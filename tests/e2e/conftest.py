@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up
-from operator_harness import OperatorProcess, install_chart, token_kubeconfig
+from operator_harness import OperatorProcess, chart_token_kubeconfig, install_chart
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +43,7 @@ def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """The chart installed (CRDs, RBAC, peering), and the operator running as the chart's ServiceAccount."""
     install_chart(kubectl)
     folder = tmp_path_factory.mktemp("operator")
-    process = OperatorProcess(token_kubeconfig(kubectl, folder / "sa.kubeconfig"), folder / "operator.log")
+    process = OperatorProcess(chart_token_kubeconfig(kubectl, folder / "sa.kubeconfig"), folder / "operator.log")
     process.start()
     yield process
     process.stop()

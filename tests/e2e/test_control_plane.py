@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
-import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_harness import Kubectl, eventually
+from kube_harness import Kubectl, eventually, token_kubeconfig
 
 pytestmark = pytest.mark.e2e
 
@@ -68,27 +67,14 @@ def test_service_account_tokens_and_rbac(kube: Kubectl, namespace: str, tmp_path
     token = kube("create", "token", "reader").strip()
     assert token.count(".") == 2
 
-    as_reader = Kubectl({**kube.env, "KUBECONFIG": str(token_kubeconfig(kube, token, tmp_path))}, namespace)
+    as_reader = Kubectl({**kube.env, "KUBECONFIG": str(token_kubeconfig(kube, token, tmp_path / "t.kubeconfig"))},
+                        namespace)
 
     def can(verb: str) -> str:
         return as_reader("auth", "can-i", verb, "pods", check=False).strip()
 
     assert eventually(lambda: can("list") == "yes", 30, what="RBAC to take effect")
     assert can("delete") == "no"
-
-
-def token_kubeconfig(kube: Kubectl, token: str, tmp_path: Path) -> Path:
-    """A kubeconfig that authenticates with the token only (no admin client certificate)."""
-    admin = kube.json("config", "view", "--raw", "--minify")
-    cluster = admin["clusters"][0]["cluster"]
-    path = tmp_path / "token.kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "t",
-        "clusters": [{"name": "c", "cluster": cluster}],
-        "users": [{"name": "u", "user": {"token": token}}],
-        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}],
-    }))
-    return path
 
 
 def test_helm_installs_a_chart(kube: Kubectl, namespace: str, tmp_path: Path) -> None:

@@ -56,6 +56,18 @@ class Kubectl:
         return Kubectl(self.env, namespace)
 
 
+def token_kubeconfig(kubectl: Kubectl, token: str, path: Path) -> Path:
+    """A kubeconfig for the same cluster that authenticates with `token` only (no admin certificate)."""
+    cluster = kubectl.json("config", "view", "--raw", "--minify")["clusters"][0]["cluster"]
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "c", "cluster": cluster}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}],
+    }))
+    return path
+
+
 def eventually(check: Callable[[], Any], deadline: float, interval: float = 0.25, what: str = "condition") -> Any:
     """Poll `check` until it returns something truthy; fail with the last value after `deadline` seconds."""
     end = time.monotonic() + deadline

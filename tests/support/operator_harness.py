@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-from kube_harness import ROOT, Kubectl, eventually
+from kube_harness import ROOT, Kubectl, eventually, token_kubeconfig
 from runtime_harness import free_port
 
 CHART = ROOT / "charts" / "tally-operator"
@@ -24,16 +23,10 @@ def install_chart(kubectl: Kubectl) -> None:
                    check=True, env=kubectl.env, capture_output=True, timeout=180)
 
 
-def token_kubeconfig(kubectl: Kubectl, path: Path) -> Path:
+def chart_token_kubeconfig(kubectl: Kubectl, path: Path) -> Path:
+    """Credentials of the chart's own ServiceAccount, so that the chart's RBAC is what gets tested."""
     token = kubectl("create", "token", RELEASE, "-n", NAMESPACE, "--duration=2h").strip()
-    cluster = kubectl.json("config", "view", "--raw", "--minify")["clusters"][0]["cluster"]
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "c", "cluster": cluster}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}],
-    }))
-    return path
+    return token_kubeconfig(kubectl, token, path)
 
 
 class OperatorProcess:

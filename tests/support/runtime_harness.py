@@ -37,19 +37,31 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | Non
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """Run an ASGI app under a real uvicorn on 127.0.0.1 in a thread (ASGITransport buffers streams)."""
+def serving(app: Any, health: int = 200) -> Iterator[str]:
+    """Run an ASGI app under a real uvicorn on 127.0.0.1 in a thread (ASGITransport buffers streams).
+
+    Yields once /health answers `health` (503 for an engine that is refused at start-up)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, None, None, deadline=120)
+        if health == 200:
+            wait_healthy(url, None, None, deadline=120)
+        elif not until(lambda: _status(url) == health, 120):
+            raise TimeoutError(f"{url}/health never answered {health}")
         yield url
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
 
 
 def sse_payloads(body: bytes) -> list[Any]:
