@@ -71,37 +71,39 @@ def test_chat_and_n2_through_the_adapter(adapter_url: tuple[str, str, tuple[int,
     assert two["usage"]["completion_tokens"] == 8
 
 
-def test_cumulative_engine_is_refused_unless_allowed() -> None:
-    sglang.configure(version=GENERATIONS["D"])
+class SwitchIgnored(SGLangEngine):
+    """An SGLang whose streaming switch did not take effect, as an attribute assignment would have done."""
 
-    class Ignoring(SGLangEngine):  # an engine that drops the switch, as an attribute assignment would
-        async def start(self) -> Any:
-            original = sglang.Engine.__init__
+    async def start(self) -> Any:
+        original = sglang.Engine.__init__
 
-            def init(engine: Any, **kwargs: Any) -> None:
-                kwargs["incremental_streaming_output"] = False
-                original(engine, **kwargs)
+        def init(engine: Any, **kwargs: Any) -> None:
+            field = next(k for k in ("incremental_streaming_output", "stream_output") if k in kwargs)
+            original(engine, **{**kwargs, field: False})
 
-            sglang.Engine.__init__ = init  # type: ignore[method-assign]
-            try:
-                return await super().start()
-            finally:
-                sglang.Engine.__init__ = original  # type: ignore[method-assign]
+        sglang.Engine.__init__ = init  # type: ignore[method-assign]
+        try:
+            return await super().start()
+        finally:
+            sglang.Engine.__init__ = original  # type: ignore[method-assign]
 
-    refused = Ignoring(settings())
-    with serving(create_app(settings(), refused), health=503) as url:
-        health = httpx.get(f"{url}/health")
-        assert health.status_code == 503 and "incremental streaming off" in health.json()["reason"]
-        body = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
-        assert body["usage"]["completion_tokens"] == 10  # deltas still correct
-    allowed = settings(allow_cumulative_stream=True)
-    with serving(create_app(allowed, Ignoring(allowed))) as url:
-        metrics = httpx.get(f"{url}/metrics").text
-        assert metric_value(metrics, "tally_stream_mode", {"mode": "cumulative"}) == 1
+
+@pytest.mark.parametrize("gen", ["A", "B", "C", "D"])
+def test_cumulative_engine_is_refused_unless_allowed(gen: str) -> None:
+    sglang.configure(version=GENERATIONS[gen], coalesce=(1, 3))
+    with serving(create_app(settings(), SwitchIgnored(settings())), health=503) as url:
+        reason = httpx.get(f"{url}/health").json()["reason"]
+        assert "incremental streaming off" in reason
         plain = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
+        assert plain["usage"]["completion_tokens"] == 10  # deltas and usage still correct
         events = sse_payloads(httpx.post(f"{url}/v1/completions", json={**BODY, "stream": True}, timeout=60).content)
         text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
         assert text == plain["choices"][0]["text"]
+    allowed = settings(allow_cumulative_stream=True)
+    with serving(create_app(allowed, SwitchIgnored(allowed))) as url:
+        metrics = httpx.get(f"{url}/metrics").text
+        # the switch is off, so the mode in force is cumulative (even on A, which streams delta ids anyway)
+        assert metric_value(metrics, "tally_stream_mode", {"mode": "cumulative"}) == 1
 
 
 def test_cumulative_items_to_an_incremental_consumer_fail_loudly() -> None:
