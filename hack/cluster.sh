@@ -7,7 +7,7 @@
 #   hack/cluster.sh env    print `export KUBECONFIG=...` for this cluster
 #   hack/cluster.sh status exit 0 when the cluster is up and ready
 #
-# Everything binds and advertises 127.0.0.1 (CONTROL_PLANE.md §3.6). State and logs live in
+# Everything binds and advertises 127.0.0.1: no traffic leaves loopback. State and logs live in
 # $TALLY_CLUSTER_DIR (default: .tally/cluster in the repository).
 set -euo pipefail
 
