@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tally_runtime.engine.base import Engine
 from tally_runtime.settings import Settings, from_environment
@@ -20,7 +21,18 @@ def build_engine(settings: Settings) -> Engine:
         return SGLangEngine(settings)
     from tally_runtime.engine.llamacpp import LlamaCppEngine
 
-    return LlamaCppEngine.from_settings(settings)
+    try:
+        engine = LlamaCppEngine.from_settings(settings)
+    except FileNotFoundError as err:
+        fail(str(err))
+    if not engine.model_path.is_file():
+        fail(f"--model-path {settings.model_path!r} is not a GGUF file")
+    return engine
+
+
+def fail(message: str) -> NoReturn:
+    print(f"tally-runtime serve: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def serve(settings: Settings) -> None:
