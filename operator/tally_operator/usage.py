@@ -48,6 +48,7 @@ class PodSample:
     counters: Counters
     stream_mode: str  # incremental | cumulative | unknown
     completion_drift: float | None = None  # ours minus SGLang's, when SGLang's series are present
+    started: float | None = None  # the runtime process's start time: a new value means its counters reset
 
 
 _COUNTER_NAMES = {
@@ -69,6 +70,7 @@ def parse_sample(text: str) -> PodSample:
     values = dict.fromkeys(_COUNTER_NAMES.values(), 0.0)
     modes: dict[str, float] = {}
     drift: float | None = None
+    started: float | None = None
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -83,12 +85,14 @@ def parse_sample(text: str) -> PodSample:
                     modes[sample.labels.get("mode", "")] = sample.value
                 elif sample.name == m.ENGINE_USAGE_DRIFT and sample.labels.get("kind") == "completion":
                     drift = sample.value
+                elif sample.name == m.START_TIME:
+                    started = sample.value
     except (ValueError, TypeError, KeyError) as err:
         raise MetricsParseError(f"not Prometheus text: {err}") from None
     if not seen:
         raise MetricsParseError("no Tally usage series in the response")
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
-    return PodSample(Counters(**values), mode, drift)
+    return PodSample(Counters(**values), mode, drift, started)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class UsageState:
     """What the operator remembers per service between rounds (kept in kopf's per-object memo)."""
 
     last: dict[str, Counters] = field(default_factory=dict)  # pod uid -> last counters
+    started: dict[str, float | None] = field(default_factory=dict)  # pod uid -> its runtime's start time
     totals: Counters = field(default_factory=Counters)
     window: deque[Counters] = field(default_factory=lambda: deque(maxlen=WINDOW_ROUNDS))
     verdict: Verdict | None = None
@@ -116,11 +121,17 @@ def absorb(state: UsageState, round_: Round) -> Counters:
         before = state.last.get(uid)
         if before is None and uid not in round_.new_pods:
             before = sample.counters  # seen first after a restart of ours: a baseline, not new usage
+        elif before is not None and sample.started != state.started.get(uid):
+            # The runtime restarted: all of its counters are new, even where they already climbed past
+            # the old values (a decrease alone would miss that).
+            before = Counters()
         delta = sample.counters.minus(before or Counters())
         increase = increase.plus(delta)
         state.last[uid] = sample.counters
+        state.started[uid] = sample.started
     for gone in set(state.last) - set(round_.samples) - set(round_.failed):
         del state.last[gone]  # the pod is gone; a failed scrape keeps its last values
+        state.started.pop(gone, None)
     state.totals = state.totals.plus(increase)
     state.window.append(increase)
     return increase

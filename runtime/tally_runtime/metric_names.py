@@ -18,6 +18,7 @@ TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = f"{PREFIX}_inter_token_latency_seconds"  # histogram, observed per token
 E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"  # histogram
 ENGINE_HEALTHY = f"{PREFIX}_engine_healthy"  # gauge: 1 when the engine can generate
+START_TIME = f"{PREFIX}_start_time_seconds"  # gauge: when this process started (a change = counters reset)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"  # gauge{kind}: our totals minus SGLang's own counters
 
 # SGLang's own counters (its multiprocess collector is served beside ours)

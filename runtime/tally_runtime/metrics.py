@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -47,6 +48,8 @@ class Metrics:
         self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
         self.drift = Gauge(n.ENGINE_USAGE_DRIFT, "Engine-sourced totals we counted minus SGLang's own counters",
                            ["kind"], registry=r)
+        self.start_time = Gauge(n.START_TIME, "When this runtime process started (unix seconds)", registry=r)
+        self.start_time.set(time.time())
         for mode in n.STREAM_MODES:
             self.stream_mode.labels(mode).set(0)
 

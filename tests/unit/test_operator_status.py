@@ -135,3 +135,12 @@ def test_health_hysteresis_and_reasons() -> None:
     absorb(state, first_good)
     assert judge(state, first_good, 0.0).status == "True"
     assert judge(UsageState(), Round({}, failed=frozenset({"x"})), 0.0).status == "Unknown"
+
+
+def test_restart_detected_by_start_time_even_when_counters_climbed_past() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": PodSample(Counters(completion_tokens=12), "incremental", None, 100.0)},
+                        new_pods=frozenset({"a"})))
+    # the runtime restarted and served 14 tokens before the next scrape: more than before, yet all new
+    absorb(state, Round({"a": PodSample(Counters(completion_tokens=14), "incremental", None, 200.0)}))
+    assert state.totals.completion_tokens == 26
