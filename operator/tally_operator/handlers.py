@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import threading
 import time
 from typing import Any
 
@@ -96,6 +97,13 @@ def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any
 
 
 def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_children: bool) -> None:
+    """One pass for one resource. Passes of the same resource (timers, events) run one at a time, so
+    an older reading of the children can never overwrite a newer status."""
+    with memo.setdefault("lock", threading.Lock()):
+        _reconcile(body, patch, memo, apply_children)
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_children: bool) -> None:
     meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
     generation = int(body.meta.get("generation") or 0)
     previous = dict(body.get("status") or {})

@@ -52,8 +52,7 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
 
 def test_example_becomes_ready_with_gpu_pods(operator: OperatorProcess, kube: Kubectl, namespace: str) -> None:
     kube.apply(example())
-    ready = eventually(lambda: condition(kube, "Ready").get("status") == "True" and condition(kube, "Ready"),
-                       90, what="Ready=True")
+    ready = eventually(lambda: (r := condition(kube, "Ready")).get("status") == "True" and r, 90, what="Ready=True")
     assert ready["reason"] == "AllReplicasReady"
     cs = kube.json("get", "completionservice", "smollm")
     assert cs["status"]["readyReplicas"] == 2 and cs["status"]["observedGeneration"] == cs["metadata"]["generation"]
@@ -98,8 +97,8 @@ def test_spec_change_rolls_out(operator: OperatorProcess, kube: Kubectl) -> None
 
 def test_more_gpus_than_any_node_is_unschedulable(operator: OperatorProcess, kube: Kubectl) -> None:
     kube.apply(example(replicas=1, resources={"gpus": 16, "cpu": "1", "memory": "1Gi"}))
-    progressing = eventually(lambda: condition(kube, "Progressing").get("reason") == "Unschedulable"
-                             and condition(kube, "Progressing"), 60, what="Progressing/Unschedulable")
+    progressing = eventually(lambda: (p := condition(kube, "Progressing")).get("reason") == "Unschedulable" and p,
+                             60, what="Progressing/Unschedulable")
     assert progressing["status"] == "True" and "nvidia.com/gpu" in progressing["message"]
     assert condition(kube, "Ready")["status"] == "False"
 
@@ -112,8 +111,8 @@ def test_more_gpus_than_any_node_is_unschedulable(operator: OperatorProcess, kub
 def test_invalid_spec_is_ready_false_with_event(operator: OperatorProcess, kube: Kubectl, spec: dict[str, Any],
                                                 reason: str) -> None:
     kube.apply(example(**spec))
-    ready = eventually(lambda: condition(kube, "Ready").get("reason") == reason and condition(kube, "Ready"),
-                       60, what=f"Ready=False/{reason}")
+    ready = eventually(lambda: (r := condition(kube, "Ready")).get("reason") == reason and r, 60,
+                       what=f"Ready=False/{reason}")
     assert ready["status"] == "False"
     events = eventually(lambda: [e for e in kube.json("get", "events")["items"]
                                  if e["type"] == "Warning" and reason in e["message"]], 30, what="Warning event")

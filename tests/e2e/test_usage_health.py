@@ -128,7 +128,7 @@ def test_cumulative_pod_is_usage_unhealthy_until_replaced(operator: OperatorProc
     runner.overrides[namespace] = legacy_fake  # type: ignore[attr-defined]
     kube.apply(service(replicas=1))
     serving_pods(kube, 1)
-    bad = eventually(lambda: usage_condition(kube).get("status") == "False" and usage_condition(kube), 60,
+    bad = eventually(lambda: (u := usage_condition(kube)).get("status") == "False" and u, 60,
                      what="UsageHealthy=False")
     assert bad["reason"] == "CumulativeStreaming"
     eventually(lambda: [e for e in kube.json("get", "events")["items"]
@@ -136,7 +136,7 @@ def test_cumulative_pod_is_usage_unhealthy_until_replaced(operator: OperatorProc
     # the pod is replaced by one that streams incrementally: healthy again (after the hysteresis streak)
     del runner.overrides[namespace]  # type: ignore[attr-defined]
     kube("delete", "pods", "--all", "--wait=false")
-    good = eventually(lambda: usage_condition(kube).get("status") == "True" and usage_condition(kube), 120,
+    good = eventually(lambda: (u := usage_condition(kube)).get("status") == "True" and u, 120,
                       what="UsageHealthy=True again")
     assert good["reason"] == "UsageConsistent"
 
