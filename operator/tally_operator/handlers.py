@@ -64,9 +64,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.batching.error_delays = [1, 2, 5, 10, 30, 60]
     settings.watching.server_timeout = 120
-    # Handlers are sync (the Kubernetes client blocks); kopf runs them in a thread pool whose default
-    # size (a few threads) serialises hundreds of resources behind each other.
-    settings.execution.max_workers = SETTINGS.workers
+    # Handlers are sync (the Kubernetes client blocks) and run in kopf's thread pool. On 2 cores its
+    # default size did better than 32 threads (benchmarks/README.md); larger machines may raise it.
+    if SETTINGS.workers:
+        settings.execution.max_workers = SETTINGS.workers
     settings.peering.name = "tally-operator"
     settings.peering.clusterwide = True
     kube()

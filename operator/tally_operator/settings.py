@@ -15,7 +15,7 @@ class OperatorSettings:
     cluster_domain: str = "cluster.local"
     metrics_port: int = 9090  # 0 disables the operator's /metrics server
     metrics_address: str = "127.0.0.1"  # the chart sets 0.0.0.0 inside the pod
-    workers: int = 32  # threads running handlers concurrently
+    workers: int = 0  # threads running handlers concurrently; 0 keeps kopf's default
     scrape_concurrency: int = 16
     scrape_timeout: float = 3.0
 
