@@ -226,6 +226,11 @@ def start_server(kind: str) -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError(f"{kind} server did not start")
 
 
+def ratio(ours: float, theirs: float) -> float:
+    """NaN when the baseline measured nothing (short smoke runs fall below the 10 ms CPU clock tick)."""
+    return ours / theirs if theirs else float("nan")
+
+
 def run(streams: Sequence[int], tokens: int) -> dict[str, Any]:
     report: dict[str, Any] = {"tokens_per_stream": tokens, "results": {}}
     for kind in ("ceiling", "pydantic", "tally"):
@@ -239,9 +244,9 @@ def run(streams: Sequence[int], tokens: int) -> dict[str, Any]:
     for c in map(str, streams):
         r = report["results"]
         ratios[c] = {
-            "throughput_vs_ceiling": r["tally"][c]["tokens_per_s"] / r["ceiling"][c]["tokens_per_s"],
-            "throughput_vs_pydantic": r["tally"][c]["tokens_per_s"] / r["pydantic"][c]["tokens_per_s"],
-            "cpu_vs_pydantic": r["tally"][c]["cpu_s_per_1k_tokens"] / r["pydantic"][c]["cpu_s_per_1k_tokens"],
+            "throughput_vs_ceiling": ratio(r["tally"][c]["tokens_per_s"], r["ceiling"][c]["tokens_per_s"]),
+            "throughput_vs_pydantic": ratio(r["tally"][c]["tokens_per_s"], r["pydantic"][c]["tokens_per_s"]),
+            "cpu_vs_pydantic": ratio(r["tally"][c]["cpu_s_per_1k_tokens"], r["pydantic"][c]["cpu_s_per_1k_tokens"]),
         }
     report["ratios"] = ratios
     return report
