@@ -13,7 +13,6 @@ import asyncio
 import importlib
 import importlib.metadata
 import logging
-import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -232,8 +231,3 @@ def _get_serving() -> Any:
         return importlib.import_module("sglang.srt.runtime_context").get_serving
     except (ImportError, AttributeError):
         return None
-
-
-def multiprocess_dir() -> str | None:
-    """Where SGLang's Prometheus multiprocess files are, if it exports metrics."""
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
