@@ -10,13 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Runtime and SGLang arguments the operator sets itself (DESIGN.md: owned flags cannot be overridden).
-OWNED_ENGINE_ARGS = frozenset({
-    "--model-path", "--model", "--tokenizer-path", "--served-model-name", "--host", "--port",
-    "--skip-tokenizer-init", "--context-length", "--tp-size", "--tensor-parallel-size", "--dp-size",
-    "--data-parallel-size", "--enable-metrics", "--enable-cache-report", "--trust-remote-code",
-    "--mem-fraction-static", "--max-running-requests", "--incremental-streaming-output", "--stream-output",
-})
+from tally_runtime.engine.sglang_compat import CLI_FLAGS, OWNED_ARGS
+
+# Arguments the operator sets itself (DESIGN.md: owned flags cannot be overridden): the runtime's own
+# list, plus the streaming switch, which the operator always leaves on.
+OWNED_ENGINE_ARGS = OWNED_ARGS | frozenset(CLI_FLAGS.values())
 
 
 class SpecError(ValueError):
