@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from tally_runtime import metric_names as n
 from tally_runtime.usage import RequestUsage
@@ -41,8 +46,8 @@ class Metrics:
         self.stream_mode = Gauge(n.STREAM_MODE, "1 for the engine's stream mode in force", ["mode"], registry=r)
         self.inflight = Gauge(n.INFLIGHT_GENERATIONS, "Generations running in the engine", registry=r)
         self.ttft = Histogram(n.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(
-            n.INTER_TOKEN_LATENCY, "Latency per generated token after the first", buckets=TOKEN_BUCKETS, registry=r
+        self.itl = TokenHistogram(
+            n.INTER_TOKEN_LATENCY, "Latency per generated token after the first", TOKEN_BUCKETS, registry=r
         )
         self.e2e = Histogram(n.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
@@ -72,11 +77,8 @@ class Metrics:
 
     def observe_tokens(self, gap_seconds: float, tokens: int) -> None:
         """A chunk of `tokens` tokens arrived `gap_seconds` after the previous one: per-token latency."""
-        if tokens <= 0:
-            return
-        per_token = gap_seconds / tokens
-        for _ in range(tokens):
-            self.itl.observe(per_token)
+        if tokens > 0:
+            self.itl.observe(gap_seconds / tokens, tokens)
 
     def render(self, engine_text: bytes = b"") -> bytes:
         """Our series, then the engine's own (SGLang's multiprocess collector), with the drift between them."""
@@ -88,6 +90,35 @@ class Metrics:
             their_completion = theirs[n.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
             self.drift.labels("completion").set(_value(self.completion_tokens) - their_completion)
         return generate_latest(self.registry) + engine_text
+
+
+class TokenHistogram(Collector):
+    """A histogram fed from the event loop only, with many equal observations in one call.
+
+    prometheus_client's Histogram takes a lock and walks its buckets per observation; a stream observes
+    every token, so this one adds `count` to one bucket found by bisection. Same exposition (`_bucket`
+    with `le`, `_sum`, `_count`).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf only
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += count  # `le` is inclusive: value == bound counts in it
+        self.sum += value * count
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
 
 
 def engine_totals(text: str) -> dict[str, float]:

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -298,10 +299,7 @@ class Run:
 
     async def stream(self) -> AsyncIterator[bytes]:
         job = self.job
-        chunks: CompletionChunks | ChatChunks = (
-            ChatChunks(job.header) if job.endpoint == CHAT else CompletionChunks(job.header)
-        )
-        opened: set[int] = set()
+        render = EventRenderer(job, self.usage)
         try:
             # One write per batch: when the client lags, the deltas that piled up go out together,
             # each still its own `data:` event, in order.
@@ -314,13 +312,13 @@ class Run:
                     except EngineError as err:
                         failure = err
                         break
-                    out.extend(sse.event(event) for event in self._render(chunks, opened, index, delta))
+                    render(out, index, delta)
                 if out:
                     yield b"".join(out)
                 if failure is not None:
                     raise failure
             if job.include_usage:
-                yield sse.event(chunks.usage(request_usage(self.usage).as_openai()))
+                yield sse.event(render.chunks.usage(request_usage(self.usage).as_openai()))
             self.outcome = names.OUTCOME_OK
             yield sse.DONE
         except EngineError as err:
@@ -335,23 +333,6 @@ class Run:
             yield sse.DONE
         finally:
             await self.close()
-
-    def _render(self, chunks: CompletionChunks | ChatChunks, opened: set[int], index: int,
-                delta: Delta) -> list[dict[str, Any]]:
-        job = self.job
-        events: list[dict[str, Any]] = []
-        running = self.usage[index].running_usage() if job.continuous_usage else None
-        text = delta.text
-        if index not in opened:
-            opened.add(index)
-            if isinstance(chunks, ChatChunks):
-                events.append(chunks.role(index, running))
-            elif job.echo:
-                text = job.prompt_texts[index // job.n] + text
-        if text or delta.finish_reason is not None or delta.logprobs:
-            finish = str(delta.finish_reason) if delta.finish_reason is not None else None
-            events.append(chunks.content(index, text, delta.logprobs, finish, running))
-        return events
 
     async def collect(self) -> dict[str, Any]:
         job = self.job
@@ -379,32 +360,98 @@ class Run:
         return completion_response(job.header, results, usage)
 
 
+class EventRenderer:
+    """A stream's deltas as SSE events: the first chunk of each choice (role, echo) and chunks carrying a
+    finish reason, logprobs or running usage go through the chunk dicts; a plain text delta, the bulk of
+    any stream, is written through a byte template cut from that same dict path (`sse.text_template`)."""
+
+    def __init__(self, job: Job, usage: Sequence[ChoiceUsage]) -> None:
+        self.job = job
+        self.usage = usage
+        self.chunks: CompletionChunks | ChatChunks = (
+            ChatChunks(job.header) if job.endpoint == CHAT else CompletionChunks(job.header)
+        )
+        self.opened: set[int] = set()
+        self.templates: dict[int, Callable[[str], bytes] | None] = {}
+
+    def __call__(self, out: list[bytes], index: int, delta: Delta) -> None:
+        """Append the events of one delta to `out`."""
+        if (index in self.opened and delta.finish_reason is None and delta.logprobs is None
+                and not self.job.continuous_usage):
+            if not delta.text:
+                return
+            if index not in self.templates:
+                self.templates[index] = sse.text_template(self.chunks.content(index, sse.TEXT_MARK, None, None))
+            template = self.templates[index]
+            if template is not None:
+                out.append(template(delta.text))
+                return
+        out.extend(sse.event(event) for event in self._dicts(index, delta))
+
+    def _dicts(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        job = self.job
+        events: list[dict[str, Any]] = []
+        running = self.usage[index].running_usage() if job.continuous_usage else None
+        text = delta.text
+        if index not in self.opened:
+            self.opened.add(index)
+            if isinstance(self.chunks, ChatChunks):
+                events.append(self.chunks.role(index, running))
+            elif job.echo:
+                text = job.prompt_texts[index // job.n] + text
+        if text or delta.finish_reason is not None or delta.logprobs:
+            finish = str(delta.finish_reason) if delta.finish_reason is not None else None
+            events.append(self.chunks.content(index, text, delta.logprobs, finish, running))
+        return events
+
+
+class Mailbox:
+    """Items from many producer tasks to one consumer, taken all at once: what piled up is one batch."""
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[int, Delta | Exception]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: tuple[int, Delta | Exception]) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take_all(self) -> list[tuple[int, Delta | Exception]]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
 async def merge_choices(engine: Engine,
                         requests: Sequence[GenerationRequest]) -> AsyncIterator[list[tuple[int, Delta]]]:
     """Interleave the choices' deltas in arrival order, batching whatever is already waiting.
 
-    Each choice is pumped by its own task into one queue, so a slow consumer finds several deltas ready
-    and takes them at once. Closing this aborts every choice still running.
+    Each choice is pumped by its own task into one mailbox, so a slow consumer finds several deltas
+    ready and takes them at once. Closing this aborts every choice still running.
     """
-    queue: asyncio.Queue[tuple[int, Delta | Exception]] = asyncio.Queue()
+    mailbox = Mailbox()
 
     async def pump(index: int, request: GenerationRequest) -> None:
         try:
             async with aclosing(engine.generate(request)) as deltas:  # type: ignore[type-var]
                 async for delta in deltas:
-                    queue.put_nowait((index, delta))
+                    mailbox.put((index, delta))
         except Exception as err:
-            queue.put_nowait((index, err))
+            mailbox.put((index, err))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
         remaining = len(tasks)
         while remaining:
-            items = [await queue.get()]
-            while not queue.empty():
-                items.append(queue.get_nowait())
             batch: list[tuple[int, Delta]] = []
-            for index, item in items:
+            for index, item in await mailbox.take_all():
                 if isinstance(item, Exception):
                     if batch:
                         yield batch

@@ -6,6 +6,7 @@ framing is built here by hand rather than by an SSE library with other defaults.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -23,6 +24,24 @@ MEDIA_TYPE = "text/event-stream"
 def event(payload: dict[str, Any]) -> bytes:
     """One event. orjson never emits raw newlines, NaN or Infinity (it writes null for non-finite floats)."""
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+TEXT_MARK = "\u0000tally:text\u0000"  # stands for the text in a template chunk; no real chunk holds it
+
+
+def text_template(payload: dict[str, Any]) -> Callable[[str], bytes] | None:
+    """Events like `payload` with `TEXT_MARK` replaced by a text, without building or dumping a dict.
+
+    The template is cut from `event(payload)` itself, so it cannot drift from the dict path: for any
+    text, `text_template(p)(text) == event(p with TEXT_MARK replaced by text)`. None when the mark is
+    not in the payload exactly once.
+    """
+    parts = event(payload).split(orjson.dumps(TEXT_MARK))
+    if len(parts) != 2:
+        return None
+    prefix, suffix = parts
+    dumps = orjson.dumps
+    return lambda text: prefix + dumps(text) + suffix
 
 
 def error_event(message: str, error_type: str = "server_error", code: int | str | None = 500) -> bytes:

@@ -61,12 +61,14 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delta:
     """A piece of one choice's output, already converted to deltas.
 
     Counts are the engine's own cumulative values as of this delta (None when the engine did
-    not report them); `finish_reason` is set on the last delta only.
+    not report them); `finish_reason` is set on the last delta only. Treat it as immutable; it is
+    not frozen because one is built per token and a frozen dataclass's `__init__` costs about four
+    times as much (benchmarks/README.md, relay).
     """
 
     text: str = ""
