@@ -8,7 +8,8 @@ engine that yields as fast as it can (no model):
 An asyncio client reads every byte of C concurrent streams. Reported per server: tokens/s delivered,
 inter-chunk gap p50/p99 at the client, server CPU seconds per 1k tokens; and ratios against both baselines.
 
-    python benchmarks/relay.py [--streams 1,64,256] [--tokens 256] [--repeats 3] [--json out.json]
+    python benchmarks/relay.py [--streams 1,64,256] [--tokens 256] [--repeats 3] [--min-tokens N]
+                                [--stack uvloop|asyncio] [--json F]
 """
 
 from __future__ import annotations
@@ -137,11 +138,14 @@ def tally_app() -> Any:
     return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m"), FastEngine())
 
 
-def serve(kind: str, port: int) -> None:
+STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop": "asyncio", "http": "h11"}}
+
+
+def serve(kind: str, port: int, stack: str) -> None:
     import uvicorn
 
     app = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app}[kind]()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **STACKS[stack])
 
 
 # ---- the client
@@ -180,16 +184,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(port: int, pid: int, streams: int, tokens: int) -> dict[str, float]:
+async def measure(port: int, pid: int, streams: int, tokens: int, min_tokens: int) -> dict[str, float]:
+    """`streams` clients at once, each sending its requests back to back until `min_tokens` are due in all
+    (so one stream is timed over many requests, not over a few milliseconds)."""
     await one_stream(port, 32)  # warm up
+    per_client = max(1, -(-min_tokens // (streams * tokens)))
+
+    async def client() -> list[tuple[int, list[float]]]:
+        return [await one_stream(port, tokens) for _ in range(per_client)]
+
     cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-    results = await asyncio.gather(*(one_stream(port, tokens) for _ in range(streams)))
+    results = [r for rs in await asyncio.gather(*(client() for _ in range(streams))) for r in rs]
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     delivered = sum(r[0] for r in results)
     gaps = sorted(g for r in results for g in r[1])
     return {
+        "requests": len(results),
         "tokens": delivered,
-        "expected": streams * tokens,
+        "expected": len(results) * tokens,
         "tokens_per_s": delivered / elapsed,
         "gap_p50_us": 1e6 * statistics.median(gaps) if gaps else 0.0,
         "gap_p99_us": 1e6 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
@@ -205,9 +217,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(kind: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(kind: str, stack: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "serve", kind, str(port)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, __file__, "serve", kind, str(port), stack], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -230,18 +242,19 @@ def ratio(ours: float, theirs: float) -> float:
 KINDS = ("ceiling", "pydantic", "tally")
 
 
-def run(streams: Sequence[int], tokens: int, repeats: int) -> dict[str, Any]:
+def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stack: str) -> dict[str, Any]:
     """All three servers up at once; each stream count is measured `repeats` times, the servers taking
     turns within every round, and the round with the median throughput is reported per server. A
     neighbour's burst on a shared machine then lands on all three alike instead of on one run."""
-    report: dict[str, Any] = {"tokens_per_stream": tokens, "repeats": repeats, "results": {k: {} for k in KINDS}}
-    servers = {kind: start_server(kind) for kind in KINDS}
+    report: dict[str, Any] = {"tokens_per_stream": tokens, "repeats": repeats, "min_tokens": min_tokens, "stack": stack,
+                              "results": {k: {} for k in KINDS}}
+    servers = {kind: start_server(kind, stack) for kind in KINDS}
     try:
         for c in streams:
             rounds: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
             for _ in range(repeats):
                 for kind, (proc, port) in servers.items():
-                    rounds[kind].append(asyncio.run(measure(port, proc.pid, c, tokens)))
+                    rounds[kind].append(asyncio.run(measure(port, proc.pid, c, tokens, min_tokens)))
             for kind, measured in rounds.items():
                 measured.sort(key=lambda r: r["tokens_per_s"])
                 report["results"][kind][str(c)] = measured[len(measured) // 2]
@@ -264,15 +277,19 @@ def run(streams: Sequence[int], tokens: int, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        serve(sys.argv[2], int(sys.argv[3]))
+        serve(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="1,64,256")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="rounds per stream count; the median is reported")
+    parser.add_argument("--min-tokens", type=int, default=262_144,
+                        help="tokens per measurement at least: fewer streams send more requests each")
+    parser.add_argument("--stack", choices=sorted(STACKS), default="uvloop",
+                        help="uvicorn's event loop and HTTP parser, the same for all three servers")
     parser.add_argument("--json")
     args = parser.parse_args()
-    report = run([int(s) for s in args.streams.split(",")], args.tokens, args.repeats)
+    report = run([int(s) for s in args.streams.split(",")], args.tokens, args.repeats, args.min_tokens, args.stack)
     for kind, by_c in report["results"].items():
         for c, r in by_c.items():
             print(f"{kind:9} streams={c:>4} tok/s={r['tokens_per_s']:>10.0f} delivered={r['tokens']}/{r['expected']} "

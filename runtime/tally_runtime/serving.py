@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -257,29 +256,48 @@ class Run:
             yield batch
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """The choices' deltas one by one, each observed for usage and latency."""
+        """The choices' deltas one by one, each accounted for usage and latency."""
         async for batch in self.batches():
-            for index, delta in batch:
-                yield self._observed(index, delta)
+            kept, failure = self._account(batch)
+            for item in kept:
+                yield item
+            if failure is not None:
+                raise failure
 
-    def _observed(self, index: int, delta: Delta) -> tuple[int, Delta]:
-        self.usage[index].observe(delta)
-        if delta.finish_reason == FinishReason.ABORT:
-            raise EngineError("The engine aborted the generation", 500)
-        if delta.token_ids:
-            now = time.monotonic()
-            if not self.first_token_seen:
-                self.first_token_seen = True
-                self.server.metrics.ttft.observe(now - self.started)
+    def _account(self, batch: list[tuple[int, Delta]]) -> tuple[list[tuple[int, Delta]], EngineError | None]:
+        """Usage, finish reason and token latency for one batch.
+
+        Returns the deltas up to an engine abort, and the abort as an error. Latency is taken once per
+        batch: the time since a choice's previous batch is spread over the tokens it brought.
+        """
+        tokens: dict[int, int] = {}
+        for position, (index, delta) in enumerate(batch):
+            self.usage[index].observe(delta)
+            if delta.finish_reason is not None:
+                if delta.finish_reason == FinishReason.ABORT:
+                    self._timed(tokens)
+                    return batch[:position], EngineError("The engine aborted the generation", 500)
+                self.finish_reason = str(delta.finish_reason)
+            if delta.token_ids:
+                tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
+        self._timed(tokens)
+        return batch, None
+
+    def _timed(self, tokens: dict[int, int]) -> None:
+        if not tokens:
+            return
+        now = time.monotonic()
+        metrics = self.server.metrics
+        if not self.first_token_seen:
+            self.first_token_seen = True
+            metrics.ttft.observe(now - self.started)
+        for index, count in tokens.items():
             previous = self.last_token_at.get(index)
             if previous is None:  # a choice's first token has no inter-token gap
-                self.server.metrics.observe_tokens(now - self.started, len(delta.token_ids) - 1)
+                metrics.observe_tokens(now - self.started, count - 1)
             else:
-                self.server.metrics.observe_tokens(now - previous, len(delta.token_ids))
+                metrics.observe_tokens(now - previous, count)
             self.last_token_at[index] = now
-        if delta.finish_reason is not None:
-            self.finish_reason = str(delta.finish_reason)
-        return index, delta
 
     async def close(self) -> None:
         """Abort whatever still runs, release capacity, and record usage for every outcome."""
@@ -304,14 +322,9 @@ class Run:
             # One write per batch: when the client lags, the deltas that piled up go out together,
             # each still its own `data:` event, in order.
             async for batch in self.batches():
+                kept, failure = self._account(batch)
                 out: list[bytes] = []
-                failure: EngineError | None = None
-                for index, delta in batch:
-                    try:
-                        self._observed(index, delta)
-                    except EngineError as err:
-                        failure = err
-                        break
+                for index, delta in kept:
                     render(out, index, delta)
                 if out:
                     yield b"".join(out)
@@ -372,20 +385,16 @@ class EventRenderer:
             ChatChunks(job.header) if job.endpoint == CHAT else CompletionChunks(job.header)
         )
         self.opened: set[int] = set()
-        self.templates: dict[int, Callable[[str], bytes] | None] = {}
+        # Per opened choice, unless every chunk carries running usage (then no two chunks share bytes).
+        self.templates: dict[int, Callable[[str], bytes]] = {}
 
     def __call__(self, out: list[bytes], index: int, delta: Delta) -> None:
         """Append the events of one delta to `out`."""
-        if (index in self.opened and delta.finish_reason is None and delta.logprobs is None
-                and not self.job.continuous_usage):
-            if not delta.text:
-                return
-            if index not in self.templates:
-                self.templates[index] = sse.text_template(self.chunks.content(index, sse.TEXT_MARK, None, None))
-            template = self.templates[index]
-            if template is not None:
+        template = self.templates.get(index)
+        if template is not None and delta.finish_reason is None and delta.logprobs is None:
+            if delta.text:
                 out.append(template(delta.text))
-                return
+            return
         out.extend(sse.event(event) for event in self._dicts(index, delta))
 
     def _dicts(self, index: int, delta: Delta) -> list[dict[str, Any]]:
@@ -395,6 +404,10 @@ class EventRenderer:
         text = delta.text
         if index not in self.opened:
             self.opened.add(index)
+            template = None if job.continuous_usage else sse.text_template(
+                self.chunks.content(index, sse.TEXT_MARK, None, None))
+            if template is not None:
+                self.templates[index] = template
             if isinstance(self.chunks, ChatChunks):
                 events.append(self.chunks.role(index, running))
             elif job.echo:
@@ -406,26 +419,36 @@ class EventRenderer:
 
 
 class Mailbox:
-    """Items from many producer tasks to one consumer, taken all at once: what piled up is one batch."""
+    """Deltas from many producer tasks to one consumer, taken all at once: what piled up is one batch."""
 
-    def __init__(self) -> None:
-        self.items: deque[tuple[int, Delta | Exception]] = deque()
+    def __init__(self, producers: int) -> None:
+        self.items: list[tuple[int, Delta]] = []
+        self.open = producers
+        self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: tuple[int, Delta | Exception]) -> None:
+    def put(self, item: tuple[int, Delta]) -> None:
         self.items.append(item)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def take_all(self) -> list[tuple[int, Delta | Exception]]:
-        while not self.items:
+    def close(self, error: Exception | None = None) -> None:
+        """One producer is done, with the error that ended it, if any (the first error is kept)."""
+        self.open -= 1
+        if error is not None and self.error is None:
+            self.error = error
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take_all(self) -> list[tuple[int, Delta]]:
+        """Everything waiting; empty only once every producer is done or one has failed."""
+        while not self.items and self.open and self.error is None:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
-        items = list(self.items)
-        self.items.clear()
+        items, self.items = self.items, []
         return items
 
 
@@ -434,32 +457,33 @@ async def merge_choices(engine: Engine,
     """Interleave the choices' deltas in arrival order, batching whatever is already waiting.
 
     Each choice is pumped by its own task into one mailbox, so a slow consumer finds several deltas
-    ready and takes them at once. Closing this aborts every choice still running.
+    ready and takes them at once. An engine error ends the stream after the deltas that came before
+    it. Closing this aborts every choice still running.
     """
-    mailbox = Mailbox()
+    mailbox = Mailbox(len(requests))
 
     async def pump(index: int, request: GenerationRequest) -> None:
+        last: Delta | None = None
         try:
             async with aclosing(engine.generate(request)) as deltas:  # type: ignore[type-var]
-                async for delta in deltas:
-                    mailbox.put((index, delta))
+                async for last in deltas:
+                    mailbox.put((index, last))
         except Exception as err:
-            mailbox.put((index, err))
+            mailbox.close(err)
+            return
+        if last is None or last.finish_reason is None:
+            mailbox.close(EngineError("The engine ended a generation without a finish reason", 500))
+        else:
+            mailbox.close()
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            batch: list[tuple[int, Delta]] = []
-            for index, item in await mailbox.take_all():
-                if isinstance(item, Exception):
-                    if batch:
-                        yield batch
-                    raise item
-                batch.append((index, item))
-                if item.finish_reason is not None:
-                    remaining -= 1
+        while batch := await mailbox.take_all():
             yield batch
+            if mailbox.error is not None:
+                break
+        if mailbox.error is not None:
+            raise mailbox.error
     finally:
         for task in tasks:
             task.cancel()
