@@ -52,8 +52,9 @@ bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/READM
 up: bins  ## the local control plane alone
 	hack/cluster.sh up
 
-down:  ## stop everything `make run` or `make up` started
+down:  ## stop everything `make run` or `make up` started (and the test suite's cluster, if one was left up)
 	hack/demo.sh down
+	TALLY_CLUSTER_DIR=.tally/test-cluster hack/cluster.sh down
 
 env:
 	hack/cluster.sh env

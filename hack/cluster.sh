@@ -24,6 +24,10 @@ KCM_PORT=${TALLY_KCM_PORT:-20257}
 SCHED_PORT=${TALLY_SCHEDULER_PORT:-20259}
 KWOK_PORT=${TALLY_KWOK_PORT:-20247}
 GPU_NODES=${TALLY_GPU_NODES:-2}
+# Pod IPs are $POD_NET.<node>.x: a second cluster (the test suite's) uses other addresses, so runtimes
+# started on one cluster's pod IPs never collide with the other's.
+POD_NET=${TALLY_POD_NET:-127.10}
+KWOK_CIDR=${TALLY_KWOK_CIDR:-127.20.0.0/16}
 GPUS_PER_NODE=${TALLY_GPUS_PER_NODE:-8}
 
 log() { echo "[cluster] $*" >&2; }
@@ -107,8 +111,8 @@ metadata:
     nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3
     nvidia.com/gpu.count: "$GPUS_PER_NODE"
 spec:
-  podCIDR: 127.10.$1.0/24
-  podCIDRs: [127.10.$1.0/24]
+  podCIDR: $POD_NET.$1.0/24
+  podCIDRs: [$POD_NET.$1.0/24]
   taints:
   - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
 status:
@@ -157,7 +161,7 @@ up() {
   start kwok kwok --kubeconfig="$k" --config="$BIN/kwok-stages.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
     --node-ip=127.0.0.1 --node-port="$KWOK_PORT" --server-address="127.0.0.1:$KWOK_PORT" \
-    --cidr=127.20.0.0/16 --node-lease-duration-seconds=40
+    --cidr="$KWOK_CIDR" --node-lease-duration-seconds=40
   wait_for 60 kube-controller-manager curl -skf "https://127.0.0.1:$KCM_PORT/healthz"
   wait_for 60 kube-scheduler curl -skf "https://127.0.0.1:$SCHED_PORT/healthz"
   export KUBECONFIG=$k

@@ -103,8 +103,10 @@ class UsageState:
     started: dict[str, float | None] = field(default_factory=dict)  # pod uid -> its runtime's start time
     totals: Counters = field(default_factory=Counters)
     window: deque[Counters] = field(default_factory=lambda: deque(maxlen=WINDOW_ROUNDS))
-    verdict: Verdict | None = None
+    # pod uid -> its recent drift readings (this incarnation): only a change within the window counts
+    drifts: dict[str, deque[float]] = field(default_factory=dict)
     good_streak: int = 0
+    unhealthy: Verdict | None = None  # the last definite verdict, when False: True needs a clean streak
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +129,16 @@ def absorb(state: UsageState, round_: Round) -> Counters:
             before = Counters()
         delta = sample.counters.minus(before or Counters())
         increase = increase.plus(delta)
+        if uid in state.started and sample.started != state.started[uid]:
+            state.drifts.pop(uid, None)  # a new incarnation starts its drift afresh
+        if sample.completion_drift is not None:
+            state.drifts.setdefault(uid, deque(maxlen=WINDOW_ROUNDS)).append(sample.completion_drift)
         state.last[uid] = sample.counters
         state.started[uid] = sample.started
     for gone in set(state.last) - set(round_.samples) - set(round_.failed):
         del state.last[gone]  # the pod is gone; a failed scrape keeps its last values
         state.started.pop(gone, None)
+        state.drifts.pop(gone, None)
     state.totals = state.totals.plus(increase)
     state.window.append(increase)
     return increase
@@ -149,12 +156,14 @@ def judge(state: UsageState, round_: Round, max_mismatch_ratio: float) -> Verdic
     raw = _raw_verdict(state, round_, max_mismatch_ratio)
     if raw.status == "True":
         state.good_streak += 1
-        previous = state.verdict
-        if previous is not None and previous.status == "False" and state.good_streak < HEALTHY_STREAK:
-            return previous
+        if state.unhealthy is not None and state.good_streak < HEALTHY_STREAK:
+            return state.unhealthy
+        state.unhealthy = None
     else:
+        # Unknown (nothing scraped) is no evidence either way: it neither clears nor counts as clean.
         state.good_streak = 0
-    state.verdict = raw
+        if raw.status == "False":
+            state.unhealthy = raw
     return raw
 
 
@@ -176,10 +185,13 @@ def _raw_verdict(state: UsageState, round_: Round, max_mismatch_ratio: float) ->
         return Verdict(c.USAGE_HEALTHY, "False", "UsageMismatch",
                        f"{int(window.mismatches)} recent choice(s) streamed a different number of tokens than "
                        f"the engine counted ({int(window.requests)} requests)")
-    drifts = [abs(s.completion_drift) for s in round_.samples.values() if s.completion_drift is not None]
-    if drifts and max(drifts) > max(16.0, 0.01 * state.totals.completion_tokens):
+    # Drift is read when a pod had nothing in flight; what matters is how it moved within the window
+    # (an old disagreement, say one abort long ago, ages out instead of marking the pod for ever).
+    moved = [abs(readings[-1] - readings[0]) for uid, readings in state.drifts.items() if uid in round_.samples]
+    if moved and max(moved) > max(16.0, 0.01 * window.completion_tokens):
         return Verdict(c.USAGE_HEALTHY, "False", "EngineCounterDrift",
-                       f"Completion tokens differ from SGLang's own counter by {int(max(drifts))}")
+                       f"Completion tokens moved {int(max(moved))} away from SGLang's own counter in the last "
+                       f"{len(state.window)} round(s)")
     return Verdict(c.USAGE_HEALTHY, "True", "UsageConsistent",
                    f"Engine usage matches the streamed tokens on {len(round_.samples)} pod(s)")
 

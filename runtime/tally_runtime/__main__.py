@@ -41,8 +41,16 @@ def serve(settings: Settings) -> None:
     from tally_runtime.app import create_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings, build_engine(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    server: uvicorn.Server | None = None
+
+    def exit_now() -> None:
+        assert server is not None
+        server.should_exit = True
+
+    app = create_app(settings, build_engine(settings), exit_now)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=settings.log_level, access_log=False))
+    server.run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
 from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError
@@ -23,7 +24,9 @@ from tally_runtime.settings import Settings
 log = logging.getLogger("tally_runtime")
 
 
-def create_app(settings: Settings, engine: Engine) -> FastAPI:
+def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] | None = None) -> FastAPI:
+    """`exit_now` ends the HTTP server (uvicorn's `should_exit`); given, the app drains on SIGTERM."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = time.monotonic()
@@ -31,10 +34,15 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens))
         metrics_.set_stream_mode(str(info.stream_mode))
         app.state.started = int(time.time())
-        app.state.server = Server(
+        server = Server(
             engine, info, settings.served_model_name, metrics_, settings.max_concurrent_generations,
-            force_include_usage=settings.force_include_usage,
+            force_include_usage=settings.force_include_usage, max_queued=settings.max_queued_requests,
+            max_queue_seconds=settings.max_queue_seconds,
         )
+        app.state.server = server
+        app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit)
+        if exit_now is not None:
+            app.state.drain.install()  # after engine.start(): SGLang installed its own handler by then
         log.info("Engine %s ready in %.1fs serving %r (context %d, %s streaming)", info.engine_kind,
                  time.monotonic() - started, settings.served_model_name, info.context_length, info.stream_mode)
         try:
@@ -58,4 +66,13 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     async def http_error(_: Request, error: HTTPException) -> Response:
         return error_response(ApiError(error.status_code, str(error.detail)))
 
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> Response:
+        log.error("Unhandled error: %r", error)
+        return error_response(ApiError(500, "Internal server error"))
+
     return app
+
+
+def _no_exit() -> None:
+    log.warning("Drained, but this app was given no way to stop its server")

@@ -14,12 +14,15 @@ USAGE_MISMATCHES = f"{PREFIX}_usage_mismatches"  # counter: engine count != ids 
 DERIVED_USAGE_REQUESTS = f"{PREFIX}_derived_usage_requests"  # counter: engine reported no usage
 STREAM_MODE = f"{PREFIX}_stream_mode"  # gauge{mode}: 1 for the mode in force
 INFLIGHT_GENERATIONS = f"{PREFIX}_inflight_generations"  # gauge
+QUEUED_REQUESTS = f"{PREFIX}_queued_requests"  # gauge: requests waiting for admission
+QUEUE_TIME = f"{PREFIX}_queue_time_seconds"  # histogram: time admitted requests waited
 TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = f"{PREFIX}_inter_token_latency_seconds"  # histogram, observed per token
 E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"  # histogram
 ENGINE_HEALTHY = f"{PREFIX}_engine_healthy"  # gauge: 1 when the engine can generate
 START_TIME = f"{PREFIX}_start_time_seconds"  # gauge: when this process started (a change = counters reset)
-ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"  # gauge{kind}: our totals minus SGLang's own counters
+# gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
+ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"
 
 # SGLang's own counters (its multiprocess collector is served beside ours)
 SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens_total"

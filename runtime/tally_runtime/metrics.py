@@ -45,14 +45,19 @@ class Metrics:
         )
         self.stream_mode = Gauge(n.STREAM_MODE, "1 for the engine's stream mode in force", ["mode"], registry=r)
         self.inflight = Gauge(n.INFLIGHT_GENERATIONS, "Generations running in the engine", registry=r)
+        self.queued = Gauge(n.QUEUED_REQUESTS, "Requests waiting for admission", registry=r)
+        self.queue_time = Histogram(n.QUEUE_TIME, "Time admitted requests waited in the queue",
+                                    buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(n.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = TokenHistogram(
             n.INTER_TOKEN_LATENCY, "Latency per generated token after the first", TOKEN_BUCKETS, registry=r
         )
         self.e2e = Histogram(n.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
-        self.drift = Gauge(n.ENGINE_USAGE_DRIFT, "Engine-sourced totals we counted minus SGLang's own counters",
-                           ["kind"], registry=r)
+        self.drift = Gauge(n.ENGINE_USAGE_DRIFT, "Engine-sourced totals we counted minus SGLang's own counters, "
+                           "as of the last moment no request was in flight", ["kind"], registry=r)
+        # The prompt as SGLang counts it (once per choice), to compare with its own counter.
+        self.engine_side_prompt_tokens = 0.0
         self.start_time = Gauge(n.START_TIME, "When this runtime process started (unix seconds)", registry=r)
         self.start_time.set(time.time())
         for mode in n.STREAM_MODES:
@@ -66,6 +71,7 @@ class Metrics:
         self.requests.labels(endpoint, outcome, finish_reason).inc()
 
     def record_usage(self, usage: RequestUsage) -> None:
+        self.engine_side_prompt_tokens += usage.engine_prompt_tokens
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.cached_tokens:
@@ -80,12 +86,16 @@ class Metrics:
         if tokens > 0:
             self.itl.observe(gap_seconds / tokens, tokens)
 
-    def render(self, engine_text: bytes = b"") -> bytes:
-        """Our series, then the engine's own (SGLang's multiprocess collector), with the drift between them."""
-        theirs = engine_totals(engine_text.decode()) if engine_text else {}
+    def render(self, engine_text: bytes = b"", settled: bool = True) -> bytes:
+        """Our series, then the engine's own (SGLang's), with the drift between them.
+
+        SGLang counts a request when it finishes, before its last item reaches us; we count it when its
+        response is done. Between those moments the two disagree by design, so the drift is taken only
+        when no request is in flight (`settled`) and otherwise keeps its last settled value."""
+        theirs = engine_totals(engine_text.decode()) if engine_text and settled else {}
         if n.SGLANG_PROMPT_TOKENS in theirs:  # no drift is reported without SGLang's counters to compare with
             their_prompt = theirs[n.SGLANG_PROMPT_TOKENS] - self.engine_offset[0]
-            self.drift.labels("prompt").set(_value(self.prompt_tokens) - their_prompt)
+            self.drift.labels("prompt").set(self.engine_side_prompt_tokens - their_prompt)
         if n.SGLANG_GENERATION_TOKENS in theirs:
             their_completion = theirs[n.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
             self.drift.labels("completion").set(_value(self.completion_tokens) - their_completion)

@@ -78,6 +78,14 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_disabled_or_positive(cls, value: int) -> int:
+        # SGLang's SamplingParams.verify refuses 0 after the first byte would have been sent.
+        if value == 0:
+            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _at_most_four_stops(cls, value: str | list[str] | None) -> str | list[str] | None:

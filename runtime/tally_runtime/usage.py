@@ -17,6 +17,13 @@ from tally_runtime.engine.base import Delta
 
 @dataclass(slots=True)
 class ChoiceUsage:
+    """One choice's usage as the engine reported it, plus what was actually streamed.
+
+    A choice the engine never reported on (closed while still queued or in prefill, or ended by another
+    choice's error) bills nothing and is neither derived nor mismatched: there is no count to trust or
+    to check. Only a choice that produced output or finished without counts is `derived`.
+    """
+
     index: int
     prompt_index: int
     prompt_len: int  # our tokenizer's count: the fallback only
@@ -25,10 +32,13 @@ class ChoiceUsage:
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
     ids_streamed: int = 0
+    ids_dropped: int = 0  # ids the engine counted but never sent (SGLang <= 0.5.9 under backlog)
+    finished: bool = False
 
     def observe(self, delta: Delta) -> None:
         """Keep the last value the engine reported for each count (an abort item may lack some)."""
         self.ids_streamed += len(delta.token_ids)
+        self.ids_dropped += delta.dropped_ids
         if delta.prompt_tokens is not None:
             self.engine_prompt_tokens = delta.prompt_tokens
         if delta.completion_tokens is not None:
@@ -37,18 +47,24 @@ class ChoiceUsage:
             self.cached_tokens = delta.cached_tokens
         if delta.reasoning_tokens is not None:
             self.reasoning_tokens = delta.reasoning_tokens
+        if delta.finish_reason is not None:
+            self.finished = True
 
     @property
     def derived(self) -> bool:
-        return self.engine_completion_tokens is None
+        return self.engine_completion_tokens is None and (self.finished or self.ids_streamed > 0)
 
     @property
     def mismatched(self) -> bool:
-        return self.engine_completion_tokens is not None and self.engine_completion_tokens != self.ids_streamed
+        engine = self.engine_completion_tokens
+        return engine is not None and engine != self.ids_streamed + self.ids_dropped
 
     @property
-    def prompt_tokens(self) -> int:
-        return self.engine_prompt_tokens if self.engine_prompt_tokens is not None else self.prompt_len
+    def prompt_tokens(self) -> int | None:
+        """The engine's prompt count; ours only for a derived choice; None when nothing was reported."""
+        if self.engine_prompt_tokens is not None:
+            return self.engine_prompt_tokens
+        return self.prompt_len if self.derived else None
 
     @property
     def completion_tokens(self) -> int:
@@ -56,9 +72,10 @@ class ChoiceUsage:
             return self.engine_completion_tokens
         return self.ids_streamed
 
-    def running_usage(self) -> dict[str, Any]:
-        """This choice's cumulative usage, for `continuous_usage_stats`."""
-        return _usage_dict(self.prompt_tokens, self.completion_tokens, None, None)
+    def running_usage(self, completion: int | None = None) -> dict[str, Any]:
+        """This choice's cumulative usage so far, for `continuous_usage_stats`."""
+        prompt = self.engine_prompt_tokens if self.engine_prompt_tokens is not None else self.prompt_len
+        return _usage_dict(prompt, self.completion_tokens if completion is None else completion, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,25 +86,29 @@ class RequestUsage:
     reasoning_tokens: int | None
     derived: bool
     mismatched_choices: int
+    # The prompt as the engine counts it: once per choice (SGLang runs each choice as its own request).
+    engine_prompt_tokens: int = 0
 
     def as_openai(self) -> dict[str, Any]:
         return _usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens)
 
 
 def request_usage(choices: Sequence[ChoiceUsage]) -> RequestUsage:
-    """Prompt counted once per prompt (its first choice), completions summed over all choices."""
-    firsts: dict[int, ChoiceUsage] = {}
+    """Prompt counted once per prompt (from the first of its choices with a count), completions summed."""
+    prompts: dict[int, ChoiceUsage] = {}
     for choice in sorted(choices, key=lambda c: c.index):
-        firsts.setdefault(choice.prompt_index, choice)
-    cached = [c.cached_tokens for c in firsts.values() if c.cached_tokens is not None]
+        if choice.prompt_tokens is not None:
+            prompts.setdefault(choice.prompt_index, choice)
+    cached = [c.cached_tokens for c in prompts.values() if c.cached_tokens is not None]
     reasoning = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
     return RequestUsage(
-        prompt_tokens=sum(c.prompt_tokens for c in firsts.values()),
+        prompt_tokens=sum(c.prompt_tokens or 0 for c in prompts.values()),
         completion_tokens=sum(c.completion_tokens for c in choices),
         cached_tokens=sum(cached) if cached else None,
         reasoning_tokens=sum(reasoning) if reasoning else None,
         derived=any(c.derived for c in choices),
         mismatched_choices=sum(1 for c in choices if c.mismatched),
+        engine_prompt_tokens=sum(c.engine_prompt_tokens or 0 for c in choices),
     )
 
 

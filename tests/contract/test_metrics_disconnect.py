@@ -1,4 +1,4 @@
-"""/metrics moves as documented; disconnects abort generation; overload is a 503 (T34, T39-T42)."""
+"""/metrics moves as documented; disconnects abort generation; beyond capacity requests queue (T34, T39-T42)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_t39_counters_match_usage(http: httpx.Client) -> None:
     assert delta("tally_usage_mismatches_total") == 0
     assert delta("tally_derived_usage_requests_total") == 0
     generated = sum(u["completion_tokens"] for u in usages)
-    assert delta("tally_inter_token_latency_seconds_count") == generated - 6  # 6 choices: a first token has no gap
+    # 6 choices: a choice's first batch (usually one token) has no inter-token gap, only time to first token
+    assert generated // 2 <= delta("tally_inter_token_latency_seconds_count") <= generated - 6
 
 
 def test_invalid_requests_are_counted(http: httpx.Client) -> None:
@@ -92,17 +93,21 @@ def test_t41_disconnect_non_stream_aborts(http: httpx.Client, runtime_url: str) 
     assert idle(http)
 
 
-def test_t34_overload_is_503_with_retry_after(http: httpx.Client) -> None:
+def test_t34_beyond_capacity_a_request_waits_its_turn(http: httpx.Client, runtime_url: str) -> None:
     assert idle(http)
     with http.stream("POST", "/v1/completions", json={**LONG, "n": 4}) as hog:
         lines = hog.iter_lines()  # keep a reference: a collected iterator closes the response
         next(lines)
-        refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
-        assert refused.status_code == 503
-        assert refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["code"] == "overloaded"
+        with httpx.Client(base_url=runtime_url, timeout=120) as other:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(other.post, "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+                assert until(lambda: metric_value(scrape(http), "tally_queued_requests") == 1, deadline=10)
+                assert not waiting.done()
+                hog.close()  # the hog leaves: the queued request is admitted
+                assert waiting.result(timeout=60).status_code == 200
     assert idle(http)
-    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
 
 
 def test_t42_completed_stream_is_not_aborted(http: httpx.Client) -> None:

@@ -7,6 +7,7 @@ start-up probe, refusal of a cumulative engine, and aborts inside SGLang on disc
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -134,5 +135,53 @@ def test_cumulative_engine_is_refused(tmp_path: Any, sglang_url: str) -> None:
         events = sse_payloads(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=120).content)
         assert "".join(c["choices"][0]["text"] for c in content(events)) == plain["choices"][0]["text"]
         assert plain["usage"]["completion_tokens"] == 8
+    finally:
+        stop(proc)
+
+
+def test_top_k_zero_is_refused_before_sglang_sees_it(sglang_url: str) -> None:
+    """SGLang's SamplingParams.verify rejects it on the first iteration: it must be a 400 naming top_k."""
+    before = httpx.get(f"{sglang_url}/metrics").text
+    refused = httpx.post(f"{sglang_url}/v1/completions", timeout=120,
+                         json={"prompt": PROMPT, "max_tokens": 4, "top_k": 0, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_k"
+    after = httpx.get(f"{sglang_url}/metrics").text
+    for name in ("tally_prompt_tokens_total", "tally_derived_usage_requests_total"):
+        assert metric_value(after, name) == metric_value(before, name)
+
+
+def test_chat_prompt_tokens_are_what_sglang_itself_counts(sglang_url: str) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    usage = httpx.post(f"{sglang_url}/v1/chat/completions", timeout=120,
+                       json={"messages": messages, "max_tokens": 2}).json()["usage"]
+    ids = AutoTokenizer.from_pretrained(str(MODEL)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids  # a BatchEncoding on newer transformers
+    assert usage["prompt_tokens"] == len(ids)  # SGLang's serving_chat tokenizes exactly this way
+
+
+def test_sigterm_lets_the_stream_finish_although_sglang_has_its_own_handler(tmp_path: Any) -> None:
+    """SGLang installs a SIGTERM handler on the serving loop that could end the process mid-stream."""
+    port = free_port()
+    log = tmp_path / "drain.log"
+    proc, _ = start([sys.executable, "-m", "tally_runtime", "serve", "--engine", "sglang", "--port", str(port),
+                     "--model-path", str(MODEL), f"--engine-args={ENGINE_ARGS}"], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from runtime_harness import wait_healthy
+
+        wait_healthy(url, proc, log, deadline=300)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
+            body = iter(response.iter_bytes())
+            received = [next(body)]
+            proc.send_signal(signal.SIGTERM)
+            received.extend(body)
+        events = sse_payloads(b"".join(received))
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 24
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         stop(proc)

@@ -13,20 +13,32 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 HACK = ROOT / "hack"
 
+# The tests' own cluster: its own state, ports and pod addresses, so that `make run`'s cluster (and the
+# demo operator and pod runner on it) can stay up while the suite runs without either seeing the other.
+TEST_CLUSTER = {
+    "TALLY_CLUSTER_DIR": str(ROOT / ".tally" / "test-cluster"), "TALLY_ETCD_PORT": "23890",
+    "TALLY_API_PORT": "16543", "TALLY_KCM_PORT": "20357", "TALLY_SCHEDULER_PORT": "20359",
+    "TALLY_KWOK_PORT": "20347", "TALLY_POD_NET": "127.11", "TALLY_KWOK_CIDR": "127.21.0.0/16",
+}
+
+
+def _cluster(command: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(HACK / "cluster.sh"), command], env={**os.environ, **TEST_CLUSTER}, text=True,
+                          **kwargs)
+
 
 def cluster_is_up() -> bool:
-    return subprocess.run([str(HACK / "cluster.sh"), "status"], capture_output=True, timeout=60).returncode == 0
+    return _cluster("status", capture_output=True, timeout=60).returncode == 0
 
 
 def cluster_down() -> None:
-    subprocess.run([str(HACK / "cluster.sh"), "down"], check=True, timeout=120)
+    _cluster("down", check=True, timeout=120)
 
 
 def cluster_env() -> dict[str, str]:
-    """Bring the cluster up (idempotent) and return an environment that points kubectl and helm at it."""
-    subprocess.run([str(HACK / "cluster.sh"), "up"], check=True, timeout=600)
-    kubeconfig = subprocess.run([str(HACK / "cluster.sh"), "env"], check=True, capture_output=True, text=True,
-                                timeout=60).stdout.strip().split("=", 1)[1]
+    """Bring the tests' cluster up (idempotent) and return an environment that points kubectl and helm at it."""
+    _cluster("up", check=True, timeout=600)
+    kubeconfig = _cluster("env", check=True, capture_output=True, timeout=60).stdout.strip().split("=", 1)[1]
     bin_dir = subprocess.run([str(HACK / "build.sh"), "--print"], check=True, capture_output=True, text=True,
                              timeout=60).stdout.strip()
     return {**os.environ, "KUBECONFIG": kubeconfig, "PATH": f"{bin_dir}:{os.environ['PATH']}"}

@@ -95,3 +95,33 @@ def until(predicate: Callable[[], bool], deadline: float, interval: float = 0.05
             return True
         time.sleep(interval)
     return predicate()
+
+
+@contextmanager
+def runtime_process(log: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`tally-runtime serve` (CPU engine) as a user runs it, with extra flags; stopped afterwards."""
+    import os
+    import sys
+
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "serve", "--host", "127.0.0.1",
+                                 "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log, deadline=120)
+        yield proc, url
+    finally:
+        terminate(proc)
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited by `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

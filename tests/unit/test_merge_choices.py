@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tally_runtime.engine.base import Delta, EngineError, FinishReason, GenerationRequest, SamplingParams
-from tally_runtime.serving import merge_choices
+from tally_runtime.fanin import merge_choices
 
 
 class ScriptedEngine:

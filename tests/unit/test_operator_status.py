@@ -144,3 +144,54 @@ def test_restart_detected_by_start_time_even_when_counters_climbed_past() -> Non
     # the runtime restarted and served 14 tokens before the next scrape: more than before, yet all new
     absorb(state, Round({"a": PodSample(Counters(completion_tokens=14), "incremental", None, 200.0)}))
     assert state.totals.completion_tokens == 26
+
+
+def test_an_unknown_round_does_not_skip_the_healthy_streak() -> None:
+    state = UsageState()
+    bad = Round({"a": sample(40, mismatches=1)}, new_pods=frozenset({"a"}))
+    absorb(state, bad)
+    assert judge(state, bad, 0.0).status == "False"
+    for _ in range(10):  # the mismatch slides out of the window
+        absorb(state, Round({"a": sample(40, mismatches=1)}))
+    nothing = Round({}, failed=frozenset({"a"}))
+    absorb(state, nothing)
+    assert judge(state, nothing, 0.0).status == "Unknown"
+    clean = Round({"a": sample(40, mismatches=1)})
+    absorb(state, clean)
+    assert judge(state, clean, 0.0).status == "False"  # one clean round after Unknown is still not enough
+    absorb(state, clean)
+    assert judge(state, clean, 0.0).status == "True"
+
+
+def drifted(completion: float, drift: float) -> PodSample:
+    return PodSample(Counters(requests=completion / 4, completion_tokens=completion), "incremental", drift, 1.0)
+
+
+def test_an_old_drift_ages_out_while_a_growing_one_is_caught() -> None:
+    state = UsageState()
+    old = Round({"a": drifted(400, -397)}, new_pods=frozenset({"a"}))  # one abandoned request long ago
+    absorb(state, old)
+    assert judge(state, old, 0.0).status == "True"  # a constant offset is not a trend
+    for _ in range(3):
+        steady = Round({"a": drifted(400, -397)})
+        absorb(state, steady)
+        assert judge(state, steady, 0.0).status == "True"
+    growing = Round({"a": drifted(800, -397 - 40)})  # now it moves: SGLang counts what we did not
+    absorb(state, growing)
+    verdict = judge(state, growing, 0.0)
+    assert (verdict.status, verdict.reason) == ("False", "EngineCounterDrift")
+    for _ in range(10):
+        absorb(state, Round({"a": drifted(800, -437)}))
+    settled = Round({"a": drifted(800, -437)})
+    absorb(state, settled)
+    judge(state, settled, 0.0)
+    assert judge(state, settled, 0.0).status == "True"  # the move left the window
+
+
+def test_a_restarted_runtime_starts_its_drift_afresh() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": PodSample(Counters(completion_tokens=10), "incremental", -300.0, 1.0)},
+                        new_pods=frozenset({"a"})))
+    restarted = Round({"a": PodSample(Counters(completion_tokens=10), "incremental", 0.0, 2.0)})
+    absorb(state, restarted)
+    assert judge(state, restarted, 0.0).status == "True"

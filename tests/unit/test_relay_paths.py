@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from tally_runtime import sse
 from tally_runtime.engine.base import Delta, FinishReason, SamplingParams, TokenLogprob
 from tally_runtime.metrics import TOKEN_BUCKETS, TokenHistogram
-from tally_runtime.serving import CHAT, COMPLETIONS, EventRenderer, Job
+from tally_runtime.prepare import CHAT, COMPLETIONS, Endpoint, Job
+from tally_runtime.render import EventRenderer
 from tally_runtime.streaming import ResponseHeader
 from tally_runtime.usage import ChoiceUsage
 
@@ -30,7 +31,7 @@ def test_text_template_refuses_a_payload_without_exactly_one_mark() -> None:
     assert sse.text_template({"a": sse.TEXT_MARK, "b": sse.TEXT_MARK}) is None
 
 
-def job(endpoint: str, n: int = 2, echo: bool = False, continuous: bool = False) -> Job:
+def job(endpoint: Endpoint, n: int = 2, echo: bool = False, continuous: bool = False) -> Job:
     return Job(endpoint=endpoint, header=ResponseHeader("id-1", 1, "m"), prompts=((1, 2),), prompt_texts=("Hi",),
                n=n, sampling=SamplingParams(max_tokens=8), echo=echo, stream=True, include_usage=False,
                continuous_usage=continuous)
@@ -49,14 +50,14 @@ def deltas(rng: random.Random) -> list[tuple[int, Delta]]:
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize(("echo", "continuous"), [(False, False), (True, False), (False, True)])
-def test_event_renderer_equals_the_dict_path(endpoint: str, echo: bool, continuous: bool) -> None:
+def test_event_renderer_equals_the_dict_path(endpoint: Endpoint, echo: bool, continuous: bool) -> None:
     """Every event, fast or not, is byte-for-byte what dumping the chunk dicts gives."""
     the_job = job(endpoint, echo=echo and endpoint == COMPLETIONS, continuous=continuous)
     usage = [ChoiceUsage(i, 0, 2) for i in range(2)]
     fast, plain = EventRenderer(the_job, usage), EventRenderer(the_job, usage)
     fast_out: list[bytes] = []
     plain_out: list[bytes] = []
-    for index, delta in deltas(random.Random(endpoint + str(echo) + str(continuous))):
+    for index, delta in deltas(random.Random(endpoint.name + str(echo) + str(continuous))):
         usage[index].observe(delta)
         fast(fast_out, index, delta)
         plain_out.extend(sse.event(event) for event in plain._dicts(index, delta))

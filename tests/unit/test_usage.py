@@ -55,16 +55,65 @@ def test_reasoning_tokens_reported_in_details() -> None:
     assert request_usage([choice]).as_openai()["completion_tokens_details"] == {"reasoning_tokens": 1}
 
 
-def test_drift_against_sglang_counters() -> None:
+def test_a_choice_the_engine_never_reported_on_bills_nothing_and_is_not_derived() -> None:
+    """n=2, the stream closed while choice 1 was still in prefill: only choice 0's counts are billed."""
+    reported = finished(0, 0, [Delta(token_ids=(1, 2), prompt_tokens=7, completion_tokens=2)])
+    in_prefill = ChoiceUsage(1, 0, 99)
+    usage = request_usage([reported, in_prefill])
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.derived, usage.mismatched_choices) == (7, 2, False, 0)
+    nothing = request_usage([ChoiceUsage(0, 0, 99), ChoiceUsage(1, 0, 99)])
+    assert (nothing.prompt_tokens, nothing.completion_tokens, nothing.derived) == (0, 0, False)
+
+
+def test_prompt_comes_from_any_choice_that_reported_it() -> None:
+    late = finished(1, 0, [Delta(token_ids=(1,), prompt_tokens=7, completion_tokens=1)])
+    assert request_usage([ChoiceUsage(0, 0, 99), late]).prompt_tokens == 7
+
+
+def test_ids_the_engine_dropped_are_known_loss_not_a_mismatch() -> None:
+    # SGLang <= 0.5.9 under backlog: an item carries only its newest id, completion_tokens is still right
+    choice = finished(0, 0, [Delta(token_ids=(1,), completion_tokens=1),
+                             Delta(token_ids=(4,), completion_tokens=4, dropped_ids=2,
+                                   finish_reason=FinishReason.LENGTH)])
+    assert not choice.mismatched and request_usage([choice]).completion_tokens == 4
+
+
+def test_running_usage_is_the_count_as_of_each_delta() -> None:
+    choice = ChoiceUsage(0, 0, 3)
+    seen = []
+    for count in range(1, 5):
+        choice.observe(Delta(token_ids=(count,), prompt_tokens=3, completion_tokens=count))
+        seen.append(choice.running_usage()["completion_tokens"])
+    assert seen == [1, 2, 3, 4]
+    assert choice.running_usage(0) == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+
+def sglang_text(prompt: float, generation: float) -> bytes:
+    return (b'# TYPE sglang:prompt_tokens counter\n'
+            b'sglang:prompt_tokens_total{is_streaming="true"} %.1f\n'
+            b'sglang:prompt_tokens_total{is_streaming="false"} 0.0\n'
+            b'# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total %.1f\n' % (prompt, generation))
+
+
+def test_drift_against_sglang_counters_counts_the_prompt_per_choice() -> None:
     from tally_runtime.metrics import Metrics
 
     metrics = Metrics()
-    metrics.prompt_tokens.inc(10)
-    metrics.completion_tokens.inc(30)
-    sglang_text = (b'# TYPE sglang:prompt_tokens counter\nsglang:prompt_tokens_total{is_streaming="true"} 6.0\n'
-                   b'sglang:prompt_tokens_total{is_streaming="false"} 4.0\n'
-                   b'# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total 25.0\n')
-    text = metrics.render(sglang_text).decode()
+    # one request, n=2 on a 5-token prompt: billed once (5), but SGLang ran two requests and counted 10
+    two = [finished(i, 0, [Delta(token_ids=(1,) * 15, prompt_tokens=5, completion_tokens=15,
+                                 finish_reason=FinishReason.LENGTH)]) for i in range(2)]
+    metrics.record_usage(request_usage(two))
+    text = metrics.render(sglang_text(10, 25)).decode()
     assert 'tally_engine_usage_drift_tokens{kind="prompt"} 0.0' in text
     assert 'tally_engine_usage_drift_tokens{kind="completion"} 5.0' in text
-    assert text.endswith(sglang_text.decode())
+    assert text.endswith(sglang_text(10, 25).decode())
+
+
+def test_drift_is_only_taken_when_settled() -> None:
+    """SGLang counts a request before its last item reaches us: mid-request readings are not drift."""
+    from tally_runtime.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.render(sglang_text(0, 0))
+    text = metrics.render(sglang_text(4, 8), settled=False).decode()  # finished in SGLang, not yet here
+    assert 'tally_engine_usage_drift_tokens{kind="completion"} 0.0' in text

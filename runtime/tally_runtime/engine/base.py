@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -79,6 +79,9 @@ class Delta:
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
     finish_reason: FinishReason | None = None
+    # Token ids the engine counted in `completion_tokens` but did not send (SGLang <= 0.5.9 keeps only
+    # the newest ids of a backlog, SGLANG_CONTRACT.md §3): known loss, not a usage mismatch.
+    dropped_ids: int = 0
 
 
 class EngineError(Exception):
@@ -110,7 +113,6 @@ class EngineInfo:
     # Tokens the engine spent on its own start-up probe: in its counters, never in any client's usage.
     probe_prompt_tokens: int = 0
     probe_completion_tokens: int = 0
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +130,9 @@ class Engine(Protocol):
 
     def health(self) -> Health: ...
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids as the engine would see this prompt text (including any BOS it adds)."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as the engine would see this prompt text (including any BOS it adds, unless
+        `add_special_tokens` is False: a rendered chat template already holds its own)."""
         ...
 
     def detokenize(self, ids: Sequence[int]) -> str: ...

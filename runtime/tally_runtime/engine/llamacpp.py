@@ -4,7 +4,9 @@ One llama.cpp context per concurrent generation (a pool of `slots`), so interlea
 evict each other's KV cache; the weights are memory-mapped once and shared. Each generation runs in
 its own thread and hands deltas to the event loop; decode steps take a lock so that two cores work
 on one step at a time instead of fighting over them. Closing a generation sets a flag that the
-thread checks before every step: the abort lands within one token.
+thread checks before every step: the abort lands within one token. `stop()` cancels every running
+generation and joins its thread before it frees a context: freeing one under a thread that is still
+inside llama.cpp's decode crashed the process.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class LlamaCppEngine:
         self._eog: frozenset[int] = frozenset()
         self._health = Health(False, "engine is starting")
         self._template: Any = None
+        self._running: dict[threading.Thread, threading.Event] = {}  # generation thread -> its cancel flag
+        self._stopping = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LlamaCppEngine:
@@ -115,18 +119,29 @@ class LlamaCppEngine:
         self._health = Health(False, "start-up probe produced no token")
 
     async def stop(self) -> None:
+        """Cancel every generation, wait until no thread is inside llama.cpp, then free the contexts."""
         self._health = Health(False, "engine stopped")
+        self._stopping = True
+        running = list(self._running.items())
+        for _, cancel in running:
+            cancel.set()
+        await asyncio.to_thread(_join_all, [thread for thread, _ in running])
         for llama in self._pool:
             llama.close()
         self._pool.clear()
+
+    @property
+    def running_generations(self) -> int:
+        return sum(1 for thread in self._running if thread.is_alive())
 
     def health(self) -> Health:
         return self._health
 
     # ---- text
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._pool[0].tokenize(text.encode(), add_bos=True, special=True))
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # llama.cpp adds a BOS only for models that declare add_bos_token.
+        return list(self._pool[0].tokenize(text.encode(), add_bos=add_special_tokens, special=True))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(self._pool[0].detokenize(list(ids))).decode("utf-8", errors="replace")
@@ -139,13 +154,19 @@ class LlamaCppEngine:
     # ---- generation
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if self._stopping:
+            raise EngineError("the engine is stopping", 503)
         llama = await self._free.get()
+        if self._stopping:
+            self._free.put_nowait(llama)
+            raise EngineError("the engine is stopping", 503)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
         cancel = threading.Event()
 
         def emit(item: Delta | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def work() -> None:
             try:
@@ -154,9 +175,13 @@ class LlamaCppEngine:
             except Exception as err:  # the engine's failure, reported on this request only
                 emit(EngineError(f"llama.cpp failed: {err}"))
             finally:
-                loop.call_soon_threadsafe(self._free.put_nowait, llama)
+                self._running.pop(threading.current_thread(), None)
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self._free.put_nowait, llama)
 
-        threading.Thread(target=work, name=f"gen-{request.request_id}", daemon=True).start()
+        thread = threading.Thread(target=work, name=f"gen-{request.request_id}", daemon=True)
+        self._running[thread] = cancel
+        thread.start()
         try:
             while True:
                 item = await queue.get()
@@ -247,6 +272,11 @@ class LlamaCppEngine:
         if token in self._eog:
             return ""
         return bytes(llama.detokenize([token])).decode("utf-8", errors="replace")
+
+
+def _join_all(threads: Sequence[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join()
 
 
 def _finite(value: float) -> float:

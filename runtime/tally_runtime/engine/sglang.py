@@ -111,7 +111,7 @@ class SGLangEngine:
         self.generation = compat.detect_generation(server_args_cls, version)
         passed = compat.split_engine_args(self.settings.engine_args)
         kwargs = compat.engine_kwargs(
-            server_args_cls, {**base_kwargs(self.settings), **parse_pass_through(server_args_cls, passed.args)},
+            server_args_cls, {**base_kwargs(self.settings), **parse_pass_through(server_args_cls, passed)},
         )
         log.info("Starting SGLang %s (generation %s) with %s=True", version, self.generation,
                  compat.streaming_field(server_args_cls))
@@ -120,12 +120,10 @@ class SGLangEngine:
         self._tokenizer = manager.tokenizer
         declared = compat.expected_shape(self.generation, incremental=True)
         effective = compat.effective_incremental(self._engine, _get_serving())
-        probed = await self._probe(declared)
-        # The probe sees ids and text; logprob slicing follows the generation when ids and text are as declared.
+        self._shape = await self._probe(declared)  # what really arrives decides how items are read
+        probed = self._shape
         as_declared = (probed.ids_cumulative, probed.text_cumulative) == (declared.ids_cumulative,
                                                                           declared.text_cumulative)
-        cumulative_lists = declared.logprobs_cumulative if as_declared else probed.ids_cumulative
-        self._shape = StreamShape(probed.ids_cumulative, probed.text_cumulative, cumulative_lists)
         self._health = self._verdict(declared, effective, probed)
         # "incremental" = the switch is in force: the generation streams what it streams with it on
         # (generations A/B keep cumulative text even then; the adapter slices it).
@@ -135,7 +133,6 @@ class SGLangEngine:
             vocab_size=int(getattr(manager.model_config, "vocab_size", 0) or len(self._tokenizer)),
             stream_mode=mode, engine_kind=f"sglang-{version}",
             probe_prompt_tokens=self._probe_usage[0], probe_completion_tokens=self._probe_usage[1],
-            extra={"generation": str(self.generation)},
         )
 
     def _verdict(self, declared: StreamShape, effective: bool | None, probed: StreamShape) -> Health:
@@ -154,24 +151,29 @@ class SGLangEngine:
         return Health(False, reason)
 
     async def _probe(self, declared: StreamShape) -> StreamShape:
-        """Stream a few greedy tokens and look at what actually arrives (§1.4-5)."""
+        """Stream a few greedy tokens with logprobs and look at what actually arrives (§1.4-5)."""
         ids = self.tokenize("The quick brown fox")
         params = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
         items: list[compat.ProbeItem] = []
         prompt_tokens = 0
         generator = await self._engine.async_generate(
-            input_ids=ids, sampling_params=sampling_params(params), stream=True, rid="tally-probe.")
+            input_ids=ids, sampling_params=sampling_params(params), stream=True, rid="tally-probe.",
+            return_logprob=True, top_logprobs_num=0)
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_SECONDS):
                 async for item in generator:
                     meta = item.get("meta_info") or {}
                     prompt_tokens = int(meta.get("prompt_tokens") or prompt_tokens)
-                    items.append(compat.ProbeItem(item.get("text") or "", tuple(item.get("output_ids") or ()),
-                                                  int(meta.get("completion_tokens") or 0)))
+                    items.append(compat.ProbeItem(
+                        item.get("text") or "", tuple(item.get("output_ids") or ()),
+                        int(meta.get("completion_tokens") or 0), len(meta.get("output_token_logprobs") or ())))
         finally:
             await generator.aclose()
         self._probe_usage = (prompt_tokens, items[-1].completion_tokens if items else 0)
-        return compat.probe_shape(items)
+        shape = compat.probe_shape(items, declared)
+        # Knowing how ids arrive, the decoded ids are the whole text: the text check can use it.
+        all_ids = items[-1].output_ids if shape.ids_cumulative else tuple(i for it in items for i in it.output_ids)
+        return compat.probe_shape(items, declared, full_text=self.detokenize(all_ids) if items else None)
 
     async def stop(self) -> None:
         self._health = Health(False, "engine stopped")
@@ -187,8 +189,8 @@ class SGLangEngine:
 
     # ---- text
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
@@ -207,13 +209,14 @@ class SGLangEngine:
             rid=request.request_id,
         )
         stream = ChoiceStream(self._shape, lambda token: self.detokenize([token]), want_logprobs)
-        started = False
+        started = finished = False
         try:
             async for item in generator:
                 started = True
                 delta = stream.convert(item)
+                finished = delta.finish_reason is not None
                 yield delta
-                if delta.finish_reason is not None:
+                if finished:
                     return
         except ValueError as err:  # SGLang validates on the first iteration (§2)
             if not started:
@@ -223,7 +226,12 @@ class SGLangEngine:
             self._health = Health(False, err.message)
             raise
         finally:
-            await generator.aclose()  # aborts the request in SGLang if it is still running
+            if not finished:
+                # Closing the generator aborts the request only from 0.5.20 on; before that the
+                # scheduler ran it to max_tokens for nobody. The tokenizer manager's abort works on
+                # every generation (and is a no-op for a request that has already finished).
+                self._engine.tokenizer_manager.abort_request(request.request_id)
+            await generator.aclose()
 
 
 def _get_serving() -> Any:

@@ -75,41 +75,31 @@ def detect_generation(server_args_cls: type, version: str) -> Generation:
 
 
 def expected_shape(generation: Generation, incremental: bool) -> StreamShape:
-    """What the contract says each generation streams, given the switch."""
+    """What the contract says each generation streams, given the switch. Generations A/B keep only the
+    newest delta ids of a backlog (§3); C/D concatenate them. Logprob lists: the probe decides (0.5.10
+    still sent them cumulatively in incremental mode, §1.1), the generation is only the default."""
     if generation is Generation.A:
-        return StreamShape(ids_cumulative=False, text_cumulative=True, logprobs_cumulative=True)
+        return StreamShape(ids_cumulative=False, text_cumulative=True, logprobs_cumulative=True,
+                           drops_backlog_ids=True)
     if generation is Generation.B:
-        return StreamShape(ids_cumulative=not incremental, text_cumulative=True, logprobs_cumulative=True)
+        return StreamShape(ids_cumulative=not incremental, text_cumulative=True, logprobs_cumulative=True,
+                           drops_backlog_ids=incremental)
     return StreamShape(ids_cumulative=not incremental, text_cumulative=not incremental,
                        logprobs_cumulative=not incremental)
 
 
-def cli_flag(server_args_cls: type) -> str:
-    return CLI_FLAGS[streaming_field(server_args_cls)]
-
-
-@dataclass(frozen=True, slots=True)
-class PassThrough:
-    """Extra SGLang CLI arguments, with the streaming switch pulled out (it is set as a constructor argument)."""
-
-    args: tuple[str, ...]
-    incremental_requested: bool
-
-
-def split_engine_args(args: Sequence[str]) -> PassThrough:
-    """Reject arguments Tally owns; accept either generation's streaming flag (the CLI form)."""
+def split_engine_args(args: Sequence[str]) -> tuple[str, ...]:
+    """Reject arguments Tally owns; drop either generation's streaming flag (the CLI form of what the
+    adapter always sets as a constructor argument, so it is harmless to repeat)."""
     rest: list[str] = []
-    incremental = False
     for arg in args:
         name = arg.split("=", 1)[0]
         if name in OWNED_ARGS:
             raise ValueError(f"{name} is set by Tally and cannot be passed through engine args; "
                              "use the runtime's own flag or the CompletionService spec instead")
-        if name in CLI_FLAGS.values():
-            incremental = True
-            continue
-        rest.append(arg)
-    return PassThrough(tuple(rest), incremental)
+        if name not in CLI_FLAGS.values():
+            rest.append(arg)
+    return tuple(rest)
 
 
 def engine_kwargs(server_args_cls: type, base: Mapping[str, Any], incremental: bool = True) -> dict[str, Any]:
@@ -140,20 +130,42 @@ class ProbeItem:
     text: str
     output_ids: tuple[int, ...]
     completion_tokens: int
+    logprobs: int = 0  # entries in this item's output_token_logprobs
 
 
-def probe_shape(items: Sequence[ProbeItem]) -> StreamShape:
-    """Behavioural check (§1.4-5) on a short greedy stream: which fields arrived cumulative?
+def probe_shape(items: Sequence[ProbeItem], declared: StreamShape, full_text: str | None = None) -> StreamShape:
+    """Behavioural check (§1.4-5) on a short greedy stream with logprobs: which fields arrived cumulative?
 
-    Cumulative ids: every item holds all ids so far (`len == completion_tokens`) and the stream had more
-    than one token per item at some point. Cumulative text: each item's text extends the previous one.
+    Ids (and logprob lists): cumulative when every item holds as many entries as tokens so far and some
+    item held more than one. Text: cumulative when the last item is the whole text and the items grow as
+    prefixes; deltas when the items add up to it. Items that add no printable text (part of a multi-byte
+    character, a skipped special token) fit either reading. `full_text` is the decoded ids; where the
+    stream cannot tell (one item, say), the declared shape stands.
     """
     if not items:
         raise UnsupportedSGLang("the start-up probe received no output")
+    return StreamShape(
+        ids_cumulative=_lists_cumulative([len(i.output_ids) for i in items], items),
+        text_cumulative=_text_cumulative([i.text for i in items if i.text], full_text, declared.text_cumulative),
+        logprobs_cumulative=(_lists_cumulative([i.logprobs for i in items], items)
+                             if any(i.logprobs for i in items) else declared.logprobs_cumulative),
+        drops_backlog_ids=declared.drops_backlog_ids,
+    )
+
+
+def _lists_cumulative(lengths: Sequence[int], items: Sequence[ProbeItem]) -> bool:
     final = items[-1].completion_tokens
-    lengths = [len(i.output_ids) for i in items]
-    ids_cumulative = len(items) > 1 and all(n == i.completion_tokens for n, i in zip(lengths, items, strict=True)) \
-        and sum(lengths) > final
-    texts = [i.text for i in items if i.text]
-    text_cumulative = len(texts) > 1 and all(b.startswith(a) and len(b) > len(a) for a, b in pairwise(texts))
-    return StreamShape(ids_cumulative=ids_cumulative, text_cumulative=text_cumulative)
+    return len(items) > 1 and sum(lengths) > final and all(
+        n == i.completion_tokens for n, i in zip(lengths, items, strict=True))
+
+
+def _text_cumulative(texts: Sequence[str], full_text: str | None, default: bool) -> bool:
+    growing = all(b.startswith(a) for a, b in pairwise(texts))
+    if full_text is not None and texts:
+        as_deltas = "".join(texts) == full_text
+        as_whole = growing and texts[-1] == full_text
+        if as_deltas != as_whole:
+            return as_whole
+    if len(set(texts)) > 1:
+        return growing
+    return default

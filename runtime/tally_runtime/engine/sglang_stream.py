@@ -22,7 +22,8 @@ class StreamShape:
 
     ids_cumulative: bool
     text_cumulative: bool
-    logprobs_cumulative: bool = False  # output logprob lists; sliced per chunk only in 0.5.16+ incremental mode
+    logprobs_cumulative: bool = False  # output logprob lists; 0.5.10 sent them cumulatively in incremental mode
+    drops_backlog_ids: bool = False  # <= 0.5.9: a coalesced item carries only the newest ids (§3)
 
     @property
     def incremental(self) -> bool:
@@ -39,6 +40,7 @@ class ChoiceStream:
     piece: Callable[[int], str]  # token id -> text, for logprob entries SGLang leaves without text
     want_logprobs: bool = False
     ids_emitted: int = 0
+    ids_dropped: int = 0  # ids SGLang counted but never sent (drops_backlog_ids)
     text_emitted: int = 0  # characters, for cumulative text
     logprobs_emitted: int = 0  # entries, for cumulative logprob lists
 
@@ -50,6 +52,10 @@ class ChoiceStream:
         ids = self._delta_ids(list(item.get("output_ids") or []), completion, waiting_abort)
         text = self._delta_text(item.get("text") or "", waiting_abort)
         logprobs = self._delta_logprobs(meta) if self.want_logprobs else None
+        dropped = 0
+        if self.shape.drops_backlog_ids and completion is not None and not waiting_abort:
+            dropped = max(0, completion - self.ids_dropped - self.ids_emitted - len(ids))
+            self.ids_dropped += dropped
         self.ids_emitted += len(ids)
         return Delta(
             text=text,
@@ -60,13 +66,14 @@ class ChoiceStream:
             cached_tokens=meta.get("cached_tokens"),
             reasoning_tokens=meta.get("reasoning_tokens") or None,
             finish_reason=finish_reason(finish),
+            dropped_ids=dropped,
         )
 
     def _delta_ids(self, raw: list[int], completion: int | None, waiting_abort: bool) -> list[int]:
         ids = raw[self.ids_emitted:] if self.shape.ids_cumulative else raw
         if completion is None:
             return ids
-        room = max(0, completion - self.ids_emitted)
+        room = max(0, completion - self.ids_emitted - self.ids_dropped)
         if not self.shape.ids_cumulative and not waiting_abort and len(ids) > room:
             raise StreamModeViolation(
                 f"SGLang sent {len(ids)} token ids where {room} were new: it is streaming cumulatively "

@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from tally_runtime.prepare import COMPLETIONS, Job
 from tally_runtime.protocol import CompletionRequest, parse_json_body, validated
 from tally_runtime.routes.respond import respond
-from tally_runtime.serving import COMPLETIONS, Job, Server
+from tally_runtime.serving import Server
 
 router = APIRouter()
 
@@ -18,6 +19,6 @@ async def create_completion(request: Request) -> Response:
 
     async def prepare() -> Job:
         body = parse_json_body(await request.body(), request.headers.get("content-type"))
-        return server.prepare_completion(validated(CompletionRequest, body))
+        return server.prepare.completion(validated(CompletionRequest, body))
 
     return await respond(request, server, COMPLETIONS, prepare)

@@ -18,6 +18,8 @@ async def health(request: Request) -> Response:
         return json_response({"status": "starting"}, 503)
     state = server.engine.health()
     server.metrics.engine_healthy.set(1 if state.ok else 0)
+    if server.draining:
+        return json_response({"status": "draining", "reason": "the server is shutting down"}, 503)
     if state.ok:
         return json_response({"status": "ok"})
     return json_response({"status": "unhealthy", "reason": state.reason}, 503)

@@ -17,4 +17,6 @@ async def metrics(request: Request) -> Response:
     server: Server = request.app.state.server
     server.metrics.engine_healthy.set(1 if server.engine.health().ok else 0)
     engine_text = sglang_series() if server.info.engine_kind.startswith("sglang") else b""
-    return Response(server.metrics.render(engine_text), media_type=CONTENT_TYPE_LATEST)
+    body = server.metrics.render(engine_text, settled=server.admission.idle)
+    request.app.state.drain.metrics_read()
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

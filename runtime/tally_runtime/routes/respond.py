@@ -1,18 +1,25 @@
-"""The shared request flow: prepare (4xx before any byte), admit and prime, then stream or answer."""
+"""The shared request flow: prepare (4xx before any byte), admit and prime, then stream or answer.
+
+From the moment the body is read until the response starts, a watcher cancels the request if the
+client leaves: a request waiting in the admission queue or in prefill is dropped, not run for nobody."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tally_runtime import metric_names as names
 from tally_runtime import sse
+from tally_runtime.prepare import Endpoint, Job
 from tally_runtime.protocol import ApiError
-from tally_runtime.serving import Job, Server
+from tally_runtime.serving import Server
+
+T = TypeVar("T")
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 
@@ -25,13 +32,17 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
     return Response(orjson.dumps(payload), status_code=status, headers=headers, media_type="application/json")
 
 
-async def respond(request: Request, server: Server, endpoint: str, prepare: Callable[[], Awaitable[Job]]) -> Response:
+async def respond(request: Request, server: Server, endpoint: Endpoint,
+                  prepare: Callable[[], Awaitable[Job]]) -> Response:
     try:
         job = await prepare()
-        run = await server.start(job)
+        run = await until_disconnected(request, server.start(job))
     except ApiError as error:
-        server.reject(endpoint, error)
+        server.reject(endpoint.name, error)
         return error_response(error)
+    except ClientGone:  # left while queued or in prefill: nothing was generated for it
+        server.metrics.record_request(endpoint.name, names.OUTCOME_ABORTED, "none")
+        return Response(status_code=CLIENT_CLOSED)
     if job.stream:
         return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)
     try:
@@ -47,10 +58,11 @@ class ClientGone(Exception):
     pass
 
 
-async def until_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """Run a non-streamed generation, cancelling it (and so aborting the engine) if the client leaves.
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and so aborting the engine) if the client leaves.
 
-    Starlette cancels streaming bodies on disconnect by itself; plain responses need this watcher.
+    Starlette cancels streaming bodies on disconnect by itself; everything before a response starts,
+    and plain responses, need this watcher.
     """
     task = asyncio.ensure_future(work)
     gone = asyncio.Event()

@@ -8,7 +8,11 @@ how SGLang *packages* them (SGLANG_CONTRACT.md §1-§3):
   coalesced per the configured backlog pattern (0.5.10+ incremental: concatenated, meta from the last,
   logprob lists concatenated; older or cumulative: only the last output survives);
 - aborts: graceful, in the waiting queue (the quirky shape), or with a status code; ValueError on the
-  first iteration for over-long requests.
+  first iteration for over-long requests;
+- closing a stream: only 0.5.20+ (D) aborts the request when its generator is closed; older ones keep
+  running it unless `tokenizer_manager.abort_request(rid)` is called (recorded as `ghosts`);
+- 0.5.10 (C) still sends output logprob lists cumulatively in incremental mode (sliced from 0.5.16 on);
+- `bos_template`: a tokenizer that adds a BOS and a chat template that writes one (Llama-3 style).
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ import msgspec
 import numpy as np
 
 VERSIONS = {"A": "0.5.5", "B": "0.5.9", "C": "0.5.16", "D": "0.5.23"}
-GENERATION_OF = {v: k for k, v in VERSIONS.items()}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:3])
+
+
+def generation_of(version: str) -> str:
+    v = version_tuple(version)
+    return "A" if v <= (0, 5, 5) else "B" if v <= (0, 5, 9) else "C" if v <= (0, 5, 19) else "D"
 
 
 @dataclass
@@ -41,10 +53,16 @@ class FakeConfig:
     coalesce: tuple[int, ...] = (1,)  # outputs pending each time the consumer wakes, cycled
     context_len: int = 2048
     aborts: dict[str, tuple[int, str]] = field(default_factory=dict)  # prompt marker -> (after, kind)
+    bos_template: bool = False
 
     @property
     def generation(self) -> str:
-        return GENERATION_OF[self.version]
+        return generation_of(self.version)
+
+    @property
+    def sliced_logprobs(self) -> bool:
+        """Incremental mode slices output logprob lists per item from 0.5.16 (PR #21583) on."""
+        return version_tuple(self.version) >= (0, 5, 16)
 
 
 _config = FakeConfig()
@@ -168,6 +186,8 @@ class _Model:
         self.eog = {t for t in range(self.llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         eos = self.llama.detokenize([self.llama.token_eos()], special=True).decode()
         self.chat = Jinja2ChatFormatter(self.llama.metadata["tokenizer.chat_template"], eos_token=eos, bos_token="")
+        self.bos = int(self.llama.token_bos())
+        self.bos_text = self.llama.detokenize([self.bos], special=True).decode()
 
     @classmethod
     def get(cls) -> _Model:
@@ -182,8 +202,12 @@ class _Tokenizer:
     def __init__(self, model: _Model) -> None:
         self.model = model
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.model.llama.tokenize(text.encode(), add_bos=True, special=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        forced = current().bos_template
+        ids = list(self.model.llama.tokenize(text.encode(), add_bos=add_special_tokens and not forced, special=True))
+        if forced and add_special_tokens:
+            return [self.model.bos, *ids]
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(self.model.llama.detokenize([i for i in ids if i not in self.model.eog])).decode(
@@ -191,7 +215,8 @@ class _Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
                             add_generation_prompt: bool = True) -> str:
-        return str(self.model.chat(messages=messages).prompt)
+        prompt = str(self.model.chat(messages=messages).prompt)
+        return self.model.bos_text + prompt if current().bos_template else prompt
 
     def __len__(self) -> int:
         return int(self.model.llama.n_vocab())
@@ -222,6 +247,16 @@ class TokenizerManager:
         self.lock = asyncio.Lock()  # one request at a time on the shared llama.cpp context
         self.aborted: list[str] = []
         self.finished: list[str] = []
+        self.ghosts: list[str] = []  # closed by the caller but left running in the scheduler (A-C)
+        self.abort_requested: set[str] = set()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        # Before 0.5.20 a closed stream's rid stays in rid_to_state until it finishes: the abort still lands.
+        if rid in self.ghosts:
+            self.ghosts.remove(rid)
+            self.aborted.append(rid)
+        else:
+            self.abort_requested.add(rid)
 
 
 class Engine:
@@ -297,7 +332,8 @@ class Engine:
                         return
         finally:
             if not done:
-                tm.aborted.append(rid)
+                stopped = gen == "D" or rid in tm.abort_requested
+                (tm.aborted if stopped else tm.ghosts).append(rid)
 
     def _item(self, pending: list[_Step], all_ids: list[int], prompt: list[int], cached: int, rid: str, gen: str,
               incremental: bool, logprob: bool) -> dict[str, Any]:
@@ -320,7 +356,7 @@ class Engine:
             text = full_text
             out_ids = list(last.ids) if (gen == "A" or incremental) else list(all_ids)
         if logprob:
-            if gen in "CD" and incremental:
+            if gen in "CD" and incremental and current().sliced_logprobs:
                 meta["output_token_logprobs"] = [e for s in kept for e in s.logprobs]
                 meta["output_top_logprobs"] = [e for s in kept for e in s.tops]
             else:

@@ -1,0 +1,170 @@
+"""Request preparation: a validated OpenAI request -> a `Job`. Every 4xx is raised here, before any byte.
+
+Pure apart from the engine's tokenizer: nothing is admitted or generated yet. The endpoint kind is
+chosen here too (chunk shapes, id prefix, response builder), so nothing downstream compares names.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tally_runtime.engine.base import Engine, EngineInfo, GenerationRequest, SamplingParams
+from tally_runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tally_runtime.streaming import (
+    ChatChunks,
+    ChoiceResult,
+    CompletionChunks,
+    ResponseHeader,
+    chat_response,
+    completion_response,
+)
+
+log = logging.getLogger("tally_runtime.prepare")
+
+Response = Callable[[ResponseHeader, Sequence[ChoiceResult], dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What differs between the two APIs: the metrics label, ids, chunk shapes and the response object."""
+
+    name: str
+    id_prefix: str
+    chunks: Callable[[ResponseHeader], CompletionChunks | ChatChunks]
+    response: Response
+    opens_with_role: bool
+
+
+COMPLETIONS = Endpoint("completions", "cmpl", CompletionChunks, completion_response, opens_with_role=False)
+CHAT = Endpoint("chat", "chatcmpl", ChatChunks, chat_response, opens_with_role=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request that passed validation: ready to be admitted and generated."""
+
+    endpoint: Endpoint
+    header: ResponseHeader
+    prompts: tuple[tuple[int, ...], ...]
+    prompt_texts: tuple[str, ...]
+    n: int
+    sampling: SamplingParams
+    echo: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+    @property
+    def generations(self) -> int:
+        return len(self.prompts) * self.n
+
+    def requests(self) -> list[GenerationRequest]:
+        """Choice index = prompt index * n + sample; ids end with '.', so none is a prefix of another."""
+        return [
+            GenerationRequest(f"{self.header.id}.{p * self.n + s}.", prompt, self.sampling)
+            for p, prompt in enumerate(self.prompts)
+            for s in range(self.n)
+        ]
+
+
+class Preparer:
+    def __init__(self, engine: Engine, info: EngineInfo, model: str, limit: int,
+                 force_include_usage: bool = False) -> None:
+        self.engine = engine
+        self.info = info
+        self.model = model
+        self.limit = limit
+        self.force_include_usage = force_include_usage
+
+    def completion(self, req: CompletionRequest) -> Job:
+        self._check_common(req)
+        if req.best_of is not None and req.best_of > 1 and req.stream:
+            raise ApiError(400, "best_of > 1 cannot be streamed", param="best_of")
+        if req.best_of is not None and req.best_of < req.n:
+            raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
+        prompts, texts = self._completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        for ids in prompts:
+            self._check_context(len(ids), max_tokens, "prompt")
+        return self._job(COMPLETIONS, req, prompts, texts, max_tokens, req.logprobs, req.echo)
+
+    def chat(self, req: ChatCompletionRequest) -> Job:
+        self._check_common(req)
+        text = self.engine.render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        # The template already wrote any special tokens it wants (a BOS, say): tokenizing must not add
+        # them again, as Hugging Face's apply_chat_template(tokenize=True) and SGLang's server do not.
+        ids = tuple(self.engine.tokenize(text, add_special_tokens=False))
+        limit = req.token_limit()
+        max_tokens = limit if limit is not None else self.info.context_length - len(ids)
+        self._check_context(len(ids), max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False)
+
+    def _check_common(self, req: SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model:
+            raise ApiError(404, f"The model {req.model!r} does not exist; this server serves {self.model!r}",
+                           param="model", code="model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options can only be set when stream is true", param="stream_options")
+        if req.unknown_fields():
+            log.info("Ignoring unsupported request fields %s", ", ".join(req.unknown_fields()))
+
+    def _completion_prompts(self, prompt: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise ApiError(400, "Prompt cannot be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        ids: list[tuple[int, ...]] = []
+        texts: list[str] = []
+        for item in prompt:
+            if not item:
+                raise ApiError(400, "Prompt cannot be empty", param="prompt")
+            if isinstance(item, str):
+                ids.append(tuple(self.engine.tokenize(item)))
+                texts.append(item)
+                continue
+            bad = [t for t in item if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise ApiError(400, f"Token id {bad[0]} is out of range [0, {self.info.vocab_size})", param="prompt")
+            ids.append(tuple(item))
+            texts.append(self.engine.detokenize(item))
+        return tuple(ids), tuple(texts)
+
+    def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+        limit = self.info.context_length
+        if prompt_len + max_tokens > limit or max_tokens < 0:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the prompt, "
+                f"{max(max_tokens, 0)} for the completion). Please reduce the prompt or max_tokens.",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _job(self, endpoint: Endpoint, req: SamplingRequest, prompts: tuple[tuple[int, ...], ...],
+             texts: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool) -> Job:
+        generations = len(prompts) * req.n
+        if generations > self.limit:
+            raise ApiError(400, f"This request needs {generations} concurrent generations (prompts x n); "
+                                f"the server runs at most {self.limit}", param="n")
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=req.seed, stop=req.stop_list(), presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            ignore_eos=req.ignore_eos, min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
+        )
+        options = req.stream_options
+        header = ResponseHeader(f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model)
+        return Job(
+            endpoint=endpoint, header=header, prompts=prompts, prompt_texts=texts, n=req.n, sampling=sampling,
+            echo=echo, stream=req.stream,
+            include_usage=bool(options and options.include_usage) or self.force_include_usage,
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )

@@ -1,0 +1,61 @@
+"""PURE: one stream's deltas as SSE event bytes.
+
+The first chunk of each choice (role, echo) and chunks carrying a finish reason, logprobs or running
+usage go through the chunk dicts; a plain text delta, the bulk of any stream, is written through a byte
+template cut from that same dict path (`sse.text_template`), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tally_runtime import sse
+from tally_runtime.engine.base import Delta
+from tally_runtime.prepare import Job
+from tally_runtime.streaming import ChatChunks
+from tally_runtime.usage import ChoiceUsage
+
+
+class EventRenderer:
+    """Call it once per delta, right after that delta was accounted in `usage`: running usage
+    (`continuous_usage_stats`) is then the count as of that very chunk."""
+
+    def __init__(self, job: Job, usage: Sequence[ChoiceUsage]) -> None:
+        self.job = job
+        self.usage = usage
+        self.chunks = job.endpoint.chunks(job.header)
+        self.opened: set[int] = set()
+        # Per opened choice, unless every chunk carries running usage (then no two chunks share bytes).
+        self.templates: dict[int, Callable[[str], bytes]] = {}
+
+    def __call__(self, out: list[bytes], index: int, delta: Delta) -> None:
+        """Append the events of one delta to `out`."""
+        template = self.templates.get(index)
+        if template is not None and delta.finish_reason is None and delta.logprobs is None:
+            if delta.text:
+                out.append(template(delta.text))
+            return
+        out.extend(sse.event(event) for event in self._dicts(index, delta))
+
+    def _dicts(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        job = self.job
+        events: list[dict[str, Any]] = []
+        usage = self.usage[index]
+        text = delta.text
+        if index not in self.opened:
+            self.opened.add(index)
+            template = None if job.continuous_usage else sse.text_template(
+                self.chunks.content(index, sse.TEXT_MARK, None, None))
+            if template is not None:
+                self.templates[index] = template
+            if isinstance(self.chunks, ChatChunks):
+                # The role chunk carries no token: its running usage has no completion tokens yet.
+                events.append(self.chunks.role(index, usage.running_usage(0) if job.continuous_usage else None))
+            elif job.echo:
+                text = job.prompt_texts[index // job.n] + text
+        if text or delta.finish_reason is not None or delta.logprobs:
+            finish = str(delta.finish_reason) if delta.finish_reason is not None else None
+            running = usage.running_usage() if job.continuous_usage else None
+            events.append(self.chunks.content(index, text, delta.logprobs, finish, running))
+        return events

@@ -1,0 +1,77 @@
+"""Admission queueing and the SIGTERM drain, on real `tally-runtime serve` processes and the openai SDK."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+from runtime_harness import metric_value, runtime_process, sse_payloads, until
+
+LONG = {"prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def test_six_sdk_streams_on_four_slots_all_finish(runtime_url: str) -> None:
+    """Every benchmark client at concurrency > capacity lost requests while they were refused."""
+    client = openai.OpenAI(base_url=f"{runtime_url}/v1", api_key="unused", max_retries=0)
+
+    def one(i: int) -> tuple[str, int]:
+        chunks = list(client.completions.create(model="smollm2-135m-instruct", prompt=f"Story {i}:", max_tokens=12,
+                                                 extra_body={"ignore_eos": True}, stream=True,
+                                                 stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert usage is not None
+        return "".join(c.choices[0].text for c in chunks if c.choices), usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    assert [tokens for _, tokens in results] == [12] * 6
+
+
+def test_queue_bounds_give_503_with_retry_after(tmp_path: Path) -> None:
+    with runtime_process(tmp_path / "rt.log", "--max-concurrent-generations", "1", "--max-queued-requests", "1",
+                         "--max-queue-seconds", "2") as (_, url), httpx.Client(base_url=url, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=LONG) as hog, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        lines = hog.iter_lines()
+        next(lines)
+        queued = pool.submit(http.post, "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert until(lambda: metric_value(http.get("/metrics").text, "tally_queued_requests") == 1, 10)
+        full = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "overloaded"
+        timed_out = queued.result(timeout=30)  # the hog holds the only slot longer than the queue wait
+        assert timed_out.status_code == 503 and "within 2s" in timed_out.json()["error"]["message"]
+        metrics = http.get("/metrics").text
+        assert metric_value(metrics, "tally_requests_total", {"outcome": "overloaded"}) == 2
+        assert metric_value(metrics, "tally_queued_requests") == 0
+
+
+def test_sigterm_drains_in_flight_streams_and_waits_for_the_final_read(tmp_path: Path) -> None:
+    with runtime_process(tmp_path / "rt.log", "--final-read-seconds", "60") as (proc, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 40,
+                                                          "stream_options": {"include_usage": True}}) as inflight:
+            body = iter(inflight.iter_bytes())
+            received = [next(body)]
+            proc.send_signal(signal.SIGTERM)
+            assert until(lambda: http.get("/health").status_code == 503, 10)
+            assert http.get("/health").json()["status"] == "draining"
+            refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            received.extend(body)
+        events = sse_payloads(b"".join(received))
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
+        assert proc.poll() is None  # drained, waiting for its counters to be read
+        final = http.get("/metrics").text
+        assert metric_value(final, "tally_requests_total", {"outcome": "ok"}) == 1
+        assert metric_value(final, "tally_completion_tokens_total") == 40
+        assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_on_an_idle_runtime_exits_at_once(tmp_path: Path) -> None:
+    with runtime_process(tmp_path / "rt.log") as (proc, _):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
