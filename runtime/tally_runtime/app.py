@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
+from tally_runtime.ledger import Journal, Totals
 from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError
 from tally_runtime.routes import chat, completions, health, metrics, models
@@ -31,13 +33,19 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = time.monotonic()
         info = await engine.start()
-        metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens))
+        journal = Journal(Path(settings.journal_path)) if settings.journal_path else None
+        resumed = journal.load() if journal is not None else None
+        metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
+                           totals=resumed or Totals())
+        if resumed is not None:
+            log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
+                     sum(resumed.requests.values()))
         metrics_.set_stream_mode(str(info.stream_mode))
         app.state.started = int(time.time())
         server = Server(
             engine, info, settings.served_model_name, metrics_, settings.max_concurrent_generations,
             force_include_usage=settings.force_include_usage, max_queued=settings.max_queued_requests,
-            max_queue_seconds=settings.max_queue_seconds,
+            max_queue_seconds=settings.max_queue_seconds, journal=journal,
         )
         app.state.server = server
         app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit)

@@ -45,6 +45,7 @@ class Drain:
             self.exit_now()
             return
         self.server.draining = True
+        self.server.metrics.draining.set(1)
         log.info("SIGTERM: draining (%d generation(s) running, %d queued, deadline %.0fs)",
                  self.server.admission.used, self.server.admission.queued, self.drain_seconds)
         self.task = asyncio.get_running_loop().create_task(self.run())

@@ -20,7 +20,10 @@ TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = f"{PREFIX}_inter_token_latency_seconds"  # histogram, observed per token
 E2E_LATENCY = f"{PREFIX}_e2e_request_latency_seconds"  # histogram
 ENGINE_HEALTHY = f"{PREFIX}_engine_healthy"  # gauge: 1 when the engine can generate
-START_TIME = f"{PREFIX}_start_time_seconds"  # gauge: when this process started (a change = counters reset)
+# gauge: when these counters began (unix seconds). It survives a restart of the process when the counter
+# journal does (the counters continue); a new value means they started again from zero.
+START_TIME = f"{PREFIX}_start_time_seconds"
+DRAINING = f"{PREFIX}_draining"  # gauge: 1 once SIGTERM was received (a read when idle then is the final one)
 # gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"
 

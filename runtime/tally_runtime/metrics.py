@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tally_runtime import metric_names as n
+from tally_runtime.ledger import Totals, request_key
 from tally_runtime.usage import RequestUsage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -25,6 +25,8 @@ class Metrics:
     registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
     # The engine's counters also hold its start-up probe, which no client asked for.
     engine_offset: tuple[float, float] = (0.0, 0.0)
+    # The usage counters as plain numbers (what the journal stores); given, the series continue from them.
+    totals: Totals = field(default_factory=Totals)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -56,12 +58,24 @@ class Metrics:
         self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
         self.drift = Gauge(n.ENGINE_USAGE_DRIFT, "Engine-sourced totals we counted minus SGLang's own counters, "
                            "as of the last moment no request was in flight", ["kind"], registry=r)
-        # The prompt as SGLang counts it (once per choice), to compare with its own counter.
-        self.engine_side_prompt_tokens = 0.0
-        self.start_time = Gauge(n.START_TIME, "When this runtime process started (unix seconds)", registry=r)
-        self.start_time.set(time.time())
+        self.start_time = Gauge(n.START_TIME, "When these usage counters began (unix seconds)", registry=r)
+        self.draining = Gauge(n.DRAINING, "1 once the runtime is shutting down", registry=r)
         for mode in n.STREAM_MODES:
             self.stream_mode.labels(mode).set(0)
+        self._resume(self.totals)
+
+    def _resume(self, t: Totals) -> None:
+        """Series that continue from a journal (a restarted process of the same pod)."""
+        self.start_time.set(t.epoch)
+        # SGLang's own counters start from zero with each process: drift compares this process's share.
+        self._process_base = (t.engine_side_prompt_tokens, t.completion_tokens)
+        for key, count in t.requests.items():
+            self.requests.labels(*key.split("|", 2)).inc(count)
+        for counter, value in ((self.prompt_tokens, t.prompt_tokens), (self.completion_tokens, t.completion_tokens),
+                               (self.cached_tokens, t.cached_tokens), (self.mismatches, t.mismatches),
+                               (self.derived, t.derived_requests)):
+            if value:
+                counter.inc(value)
 
     def set_stream_mode(self, mode: str) -> None:
         for known in n.STREAM_MODES:
@@ -69,16 +83,24 @@ class Metrics:
 
     def record_request(self, endpoint: str, outcome: str, finish_reason: str) -> None:
         self.requests.labels(endpoint, outcome, finish_reason).inc()
+        key = request_key(endpoint, outcome, finish_reason)
+        self.totals.requests[key] = self.totals.requests.get(key, 0.0) + 1
 
     def record_usage(self, usage: RequestUsage) -> None:
-        self.engine_side_prompt_tokens += usage.engine_prompt_tokens
+        t = self.totals
+        t.engine_side_prompt_tokens += usage.engine_prompt_tokens
+        t.prompt_tokens += usage.prompt_tokens
+        t.completion_tokens += usage.completion_tokens
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.cached_tokens:
+            t.cached_tokens += usage.cached_tokens
             self.cached_tokens.inc(usage.cached_tokens)
         if usage.mismatched_choices:
+            t.mismatches += usage.mismatched_choices
             self.mismatches.inc(usage.mismatched_choices)
         if usage.derived:
+            t.derived_requests += 1
             self.derived.inc()
 
     def observe_tokens(self, gap_seconds: float, tokens: int) -> None:
@@ -95,10 +117,12 @@ class Metrics:
         theirs = engine_totals(engine_text.decode()) if engine_text and settled else {}
         if n.SGLANG_PROMPT_TOKENS in theirs:  # no drift is reported without SGLang's counters to compare with
             their_prompt = theirs[n.SGLANG_PROMPT_TOKENS] - self.engine_offset[0]
-            self.drift.labels("prompt").set(self.engine_side_prompt_tokens - their_prompt)
+            ours = self.totals.engine_side_prompt_tokens - self._process_base[0]
+            self.drift.labels("prompt").set(ours - their_prompt)
         if n.SGLANG_GENERATION_TOKENS in theirs:
             their_completion = theirs[n.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
-            self.drift.labels("completion").set(_value(self.completion_tokens) - their_completion)
+            ours = self.totals.completion_tokens - self._process_base[1]
+            self.drift.labels("completion").set(ours - their_completion)
         return generate_latest(self.registry) + engine_text
 
 
@@ -141,10 +165,6 @@ def engine_totals(text: str) -> dict[str, float]:
             if sample.name in (n.SGLANG_PROMPT_TOKENS, n.SGLANG_GENERATION_TOKENS):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
-
-
-def _value(counter: Counter) -> float:
-    return float(counter._value.get())
 
 
 def sglang_series() -> bytes:

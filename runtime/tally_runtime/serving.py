@@ -21,12 +21,13 @@ from tally_runtime import sse
 from tally_runtime.admission import Admission, QueueFull
 from tally_runtime.engine.base import Delta, Engine, EngineError, EngineInfo, FinishReason, InvalidRequestError
 from tally_runtime.fanin import merge_choices
+from tally_runtime.ledger import Journal
 from tally_runtime.metrics import Metrics
 from tally_runtime.prepare import Job, Preparer
 from tally_runtime.protocol import ApiError
 from tally_runtime.render import EventRenderer
 from tally_runtime.streaming import ChoiceResult
-from tally_runtime.usage import ChoiceUsage, request_usage
+from tally_runtime.usage import ChoiceUsage, RequestUsage, request_usage
 
 log = logging.getLogger("tally_runtime.serving")
 
@@ -45,8 +46,10 @@ class Server:
     """Everything a request needs, owned by the app's lifespan."""
 
     def __init__(self, engine: Engine, info: EngineInfo, model: str, metrics: Metrics, limit: int,
-                 force_include_usage: bool = False, max_queued: int = 256, max_queue_seconds: float = 60.0) -> None:
+                 force_include_usage: bool = False, max_queued: int = 256, max_queue_seconds: float = 60.0,
+                 journal: Journal | None = None) -> None:
         self.engine = engine
+        self.journal = journal
         self.info = info
         self.model = model
         self.metrics = metrics
@@ -57,7 +60,15 @@ class Server:
     def reject(self, endpoint: str, error: ApiError) -> None:
         """Record a request refused before it started: once, with no usage."""
         outcome = names.OUTCOME_OVERLOADED if error.status == 503 else names.OUTCOME_INVALID
-        self.metrics.record_request(endpoint, outcome, "none")
+        self.record(endpoint, outcome, "none")
+
+    def record(self, endpoint: str, outcome: str, finish_reason: str, usage: RequestUsage | None = None) -> None:
+        """Count one finished request (and its usage); the journal then holds it too."""
+        self.metrics.record_request(endpoint, outcome, finish_reason)
+        if usage is not None:
+            self.metrics.record_usage(usage)
+        if self.journal is not None:
+            self.journal.write(self.metrics.totals)
 
     async def start(self, job: Job) -> Run:
         """Admit the job and prime its first delta, so engine refusals still become HTTP errors."""
@@ -176,8 +187,7 @@ class Run:
             server = self.server
             server.release(self.job)
             if not refused:
-                server.metrics.record_request(self.job.endpoint.name, self.outcome, self.finish_reason)
-                server.metrics.record_usage(request_usage(self.usage))
+                server.record(self.job.endpoint.name, self.outcome, self.finish_reason, request_usage(self.usage))
                 server.metrics.e2e.observe(time.monotonic() - self.started)
 
     # ---- the two response forms

@@ -24,6 +24,7 @@ class Settings:
     max_queue_seconds: float = 60.0
     drain_seconds: float = 300.0
     final_read_seconds: float = 0.0
+    journal_path: str = ""  # empty: no journal
     force_include_usage: bool = False
     allow_cumulative_stream: bool = False
     cpu_threads: int = 0  # 0: all cores
@@ -50,6 +51,8 @@ _HELP: dict[str, str] = {
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
     "final_read_seconds": "on SIGTERM, once drained, how long to wait for /metrics to be read once more "
     "(the operator books the final counters); 0 exits at once",
+    "journal_path": "file that keeps the usage counters across restarts of this process (on a volume that "
+    "outlives the container); empty: counters start from zero with every process",
     "force_include_usage": "send the final usage chunk on every stream, asked for or not",
     "allow_cumulative_stream": "serve even if SGLang streams cumulatively (deltas are still correct)",
     "cpu_threads": "threads per llama.cpp decode step; 0 uses every core",

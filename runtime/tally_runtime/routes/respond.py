@@ -41,7 +41,7 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         server.reject(endpoint.name, error)
         return error_response(error)
     except ClientGone:  # left while queued or in prefill: nothing was generated for it
-        server.metrics.record_request(endpoint.name, names.OUTCOME_ABORTED, "none")
+        server.record(endpoint.name, names.OUTCOME_ABORTED, "none")
         return Response(status_code=CLIENT_CLOSED)
     if job.stream:
         return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)

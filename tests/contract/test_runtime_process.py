@@ -1,4 +1,4 @@
-"""Admission queueing and the SIGTERM drain, on real `tally-runtime serve` processes and the openai SDK."""
+"""Admission queueing, the SIGTERM drain and the counter journal, on real `tally-runtime serve` processes."""
 
 from __future__ import annotations
 
@@ -75,3 +75,36 @@ def test_sigterm_on_an_idle_runtime_exits_at_once(tmp_path: Path) -> None:
     with runtime_process(tmp_path / "rt.log") as (proc, _):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_a_crashed_runtime_continues_its_counters_from_the_journal(tmp_path: Path) -> None:
+    journal = tmp_path / "ledger" / "usage.json"
+    journal.parent.mkdir()
+    usages = []
+    with runtime_process(tmp_path / "first.log", "--journal-path", str(journal)) as (proc, url):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for body in ({"prompt": "One", "max_tokens": 5},
+                         {"prompt": "Two", "max_tokens": 3, "n": 2, "stream": True,
+                          "stream_options": {"include_usage": True}}):
+                response = http.post("/v1/completions", json=body)
+                usages.append(sse_payloads(response.content)[-2]["usage"] if body.get("stream")
+                              else response.json()["usage"])
+            before = http.get("/metrics").text
+        proc.kill()  # a crash: no drain, no goodbye
+        proc.wait(timeout=30)
+    with runtime_process(tmp_path / "second.log", "--journal-path", str(journal)) as (_, url):
+        after = httpx.get(f"{url}/metrics").text
+    for name in ("tally_prompt_tokens_total", "tally_completion_tokens_total", "tally_start_time_seconds"):
+        assert metric_value(after, name) == metric_value(before, name), name
+    assert metric_value(after, "tally_completion_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert metric_value(after, "tally_requests_total", {"outcome": "ok"}) == 2
+
+
+def test_an_unreadable_journal_starts_the_counters_afresh(tmp_path: Path) -> None:
+    journal = tmp_path / "usage.json"
+    journal.write_text("{not json")
+    with runtime_process(tmp_path / "rt.log", "--journal-path", str(journal)) as (_, url):
+        metrics = httpx.get(f"{url}/metrics").text
+        assert metric_value(metrics, "tally_requests_total") == 0
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert '"version": 1' in journal.read_text()
