@@ -49,7 +49,7 @@ class FastEngine:
     def health(self) -> Any:
         return Health(True)
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [1] * max(1, len(text.split()))
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -131,11 +131,12 @@ def pydantic_app() -> Any:
     return app
 
 
-def tally_app() -> Any:
+def tally_app(journal_path: str = "") -> Any:
     from tally_runtime.app import create_app
     from tally_runtime.settings import Settings
 
-    return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m"), FastEngine())
+    return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m", journal_path=journal_path),
+                      FastEngine())
 
 
 STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop": "asyncio", "http": "h11"}}
@@ -144,7 +145,10 @@ STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop":
 def serve(kind: str, port: int, stack: str) -> None:
     import uvicorn
 
-    app = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app}[kind]()
+    apps = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app,
+            # the runtime with its counter journal on (benchmarks/journal.py)
+            "tally-journal": lambda: tally_app(os.environ["TALLY_BENCH_JOURNAL"])}
+    app = apps[kind]()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **STACKS[stack])
 
 

@@ -39,6 +39,8 @@ up() {
   eval "$("$HACK/cluster.sh" env)"
   export KUBECONFIG PATH="$("$HACK/build.sh" --print):$PATH"
   log "installing the chart"
+  # Helm installs CRDs but never upgrades them: a cluster that is already up gets the current one.
+  kubectl apply --server-side --force-conflicts -f "$ROOT/crds/serving.tally.dev_completionservices.yaml" >/dev/null
   helm upgrade --install "$RELEASE" "$ROOT/charts/tally-operator" -n tally-system --create-namespace \
     --set-json 'tolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]' \
     --wait --timeout 120s >/dev/null

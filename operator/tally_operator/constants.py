@@ -19,6 +19,8 @@ RUNTIME_PORT = 8000
 RUNTIME_PORT_NAME = "http"
 CONTAINER_NAME = "runtime"
 RUNTIME_UID = 10001
+LEDGER_DIR = "/var/lib/tally"  # an emptyDir: outlives the container, so counters survive its restarts
+JOURNAL_PATH = f"{LEDGER_DIR}/usage.json"
 
 # Condition types
 READY = "Ready"

@@ -46,12 +46,24 @@ def endpoint(meta: Mapping[str, Any], settings: OperatorSettings) -> str:
     return f"http://{meta['name']}.{meta['namespace']}.svc.{settings.cluster_domain}:{c.RUNTIME_PORT}/v1"
 
 
+def final_read_seconds(spec: Spec) -> int:
+    """How long a drained pod waits for the operator's last scrape: two scrape intervals and a margin."""
+    return 2 * spec.scrape_interval_seconds + 5
+
+
+def grace_seconds(spec: Spec) -> int:
+    """The pod's terminationGracePeriodSeconds: the drain, the final read, and time to exit."""
+    return spec.drain_seconds + final_read_seconds(spec) + 15
+
+
 def runtime_args(spec: Spec) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
         "serve", "--host", "0.0.0.0", "--port", str(c.RUNTIME_PORT), "--engine", spec.engine_kind,
         "--served-model-name", spec.model_name, "--context-length", str(spec.context_length),
         "--max-concurrent-generations", str(spec.max_concurrent_generations),
+        "--journal-path", c.JOURNAL_PATH, "--drain-seconds", str(spec.drain_seconds),
+        "--final-read-seconds", str(final_read_seconds(spec)),
     ]
     if spec.model_path:
         args += ["--model-path", spec.model_path]
@@ -76,7 +88,8 @@ def _container(spec: Spec, settings: OperatorSettings) -> Obj:
     limits: Obj = {"cpu": spec.cpu, "memory": spec.memory}
     if spec.gpus:
         limits[spec.gpu_resource_name] = str(spec.gpus)
-    mounts: list[Obj] = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[Obj] = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "ledger", "mountPath": c.LEDGER_DIR}]
     if spec.model_volume:
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
     return {
@@ -107,6 +120,7 @@ def _pod_spec(spec: Spec, settings: OperatorSettings) -> Obj:
     volumes: list[Obj] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory}},
         {"name": "tmp", "emptyDir": {}},
+        {"name": "ledger", "emptyDir": {"sizeLimit": "16Mi"}},
     ]
     if spec.model_volume:
         volumes.append({"name": "models", **dict(spec.model_volume)})
@@ -117,7 +131,7 @@ def _pod_spec(spec: Spec, settings: OperatorSettings) -> Obj:
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "fsGroup": c.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": grace_seconds(spec),
     }
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)

@@ -38,7 +38,8 @@ from tally_operator.usage import (
     absorb,
     judge,
     parse_sample,
-    totals_from_status,
+    scrape_targets,
+    state_from_status,
     usage_status,
 )
 
@@ -133,23 +134,29 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_childr
     verdicts = workload_verdicts(spec, deployment, pods)
     checked = check_usage(meta, spec, pods, memo, previous)
     if checked is not None:
-        fields["usage"], usage_verdict = checked
+        fields["usage"], usage_verdict, unaccounted = checked
         verdicts.append(usage_verdict)
+        if unaccounted:
+            kopf.event(body, type="Warning", reason="UsageUnaccounted",
+                       message=f"{unaccounted} pod(s) went away or restarted their counters before their last "
+                               "counters were read: what they served since the scrape before is not in the totals")
     write_status(body, patch, memo, previous, build_status(previous, verdicts, now(), generation, fields))
 
 
 def check_usage(meta: dict[str, str], spec: Spec, pods: list[dict[str, Any]], memo: kopf.Memo,
-                previous: dict[str, Any]) -> tuple[dict[str, object], Verdict] | None:
-    """Scrape the ready pods when the service's scrape interval is due; None when it is not."""
+                previous: dict[str, Any]) -> tuple[dict[str, object], Verdict, int] | None:
+    """Scrape the service's pods when its scrape interval is due; None when it is not.
+
+    Returns the new `status.usage`, the UsageHealthy verdict and how many pods this round found
+    unaccounted. The readings the totals stand on go into the same status write, so a restarted
+    operator continues from exactly there."""
     if time.monotonic() - memo.get("scraped_at", -1e9) < spec.scrape_interval_seconds:
         return None
     memo["scraped_at"] = time.monotonic()
-    if "usage" not in memo:  # first round in this process: resume totals, remember when we started
-        memo["usage"] = UsageState(totals=totals_from_status(previous.get("usage") or {}))
-        memo["since"] = "" if not previous.get("usage") else now()
+    if "usage" not in memo:  # first round in this process: continue from the status
+        memo["usage"] = state_from_status(previous.get("usage") or {})
     state: UsageState = memo["usage"]
-    targets = {p["metadata"]["uid"]: f"http://{p['status']['podIP']}:{c.RUNTIME_PORT}/metrics"
-               for p in pods if is_ready(p)}
+    targets = scrape_targets(pods, state.readings, c.RUNTIME_PORT)
     results = asyncio.run(scrape(targets, SETTINGS.scrape_concurrency, SETTINGS.scrape_timeout))
     samples, failed = {}, set()
     for uid, result in results.items():
@@ -160,26 +167,13 @@ def check_usage(meta: dict[str, str], spec: Spec, pods: list[dict[str, Any]], me
         except (Exception, MetricsParseError) as err:  # one pod's failure is that pod's alone
             failed.add(uid)
             LOG.info("Scraping pod %s of %s/%s failed: %s", uid, meta["namespace"], meta["name"], err)
-    new = frozenset(p["metadata"]["uid"] for p in pods if _created(p) >= memo["since"])
-    round_ = Round(samples, frozenset(failed), new)
-    absorb(state, round_)
+    round_ = Round(samples, frozenset(failed), present=frozenset(p["metadata"]["uid"] for p in pods))
+    unaccounted = state.unaccounted
+    increase = absorb(state, round_)
     verdict = judge(state, round_, spec.max_mismatch_ratio)
-    METRICS.record(meta["namespace"], meta["name"], state.totals, verdict.status, len(samples), len(failed))
-    return usage_status(state, round_, now()), verdict
-
-
-def is_ready(pod: dict[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True"
-                for cond in status.get("conditions") or [])
-    return bool(ready and status.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"))
-
-
-def _created(pod: dict[str, Any]) -> str:
-    created = (pod.get("metadata") or {}).get("creationTimestamp")
-    if isinstance(created, datetime.datetime):
-        return created.strftime("%Y-%m-%dT%H:%M:%SZ")
-    return str(created or "")
+    METRICS.record(meta["namespace"], meta["name"], increase, verdict.status, len(samples), len(failed),
+                   state.unaccounted - unaccounted)
+    return usage_status(state, round_, now()), verdict, state.unaccounted - unaccounted
 
 
 def rejected(error: ApiException) -> SpecError:

@@ -1,4 +1,7 @@
-"""The operator's own /metrics: usage aggregates per CompletionService, labelled by namespace and name."""
+"""The operator's own /metrics: usage per CompletionService, labelled by namespace and name.
+
+Usage series are counters (`_total`): they only rise, by what each scrape round added, so `rate()` and
+`increase()` work across operator restarts the way Prometheus expects counters to."""
 
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["namespace", "name"]
-        self.totals = {f: Gauge(f"{PREFIX}_{f}", text, labels, registry=self.registry) for f, text in _FIELDS.items()}
+        self.totals = {f: Counter(f"{PREFIX}_{f}", text, labels, registry=self.registry) for f, text in _FIELDS.items()}
+        self.unaccounted = Counter(f"{PREFIX}_pods_unaccounted", "Pods whose last counters were never read",
+                                   labels, registry=self.registry)
         self.healthy = Gauge(f"{PREFIX}_usage_healthy", "UsageHealthy: 1 True, 0 False, -1 Unknown", labels,
                              registry=self.registry)
         self.pods_scraped = Gauge(f"{PREFIX}_pods_scraped", "Pods scraped in the last round", labels,
@@ -35,15 +40,18 @@ class OperatorMetrics:
     def serve(self, port: int, address: str) -> None:
         start_http_server(port, addr=address, registry=self.registry)
 
-    def record(self, namespace: str, name: str, totals: Counters, health: str, scraped: int, failed: int) -> None:
-        for field, gauge in self.totals.items():
-            gauge.labels(namespace, name).set(getattr(totals, field))
+    def record(self, namespace: str, name: str, increase: Counters, health: str, scraped: int, failed: int,
+               unaccounted: int = 0) -> None:
+        for field, counter in self.totals.items():
+            counter.labels(namespace, name).inc(getattr(increase, field))
+        if unaccounted:
+            self.unaccounted.labels(namespace, name).inc(unaccounted)
         self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
         self.pods_scraped.labels(namespace, name).set(scraped)
         if failed:
             self.scrape_failures.labels(namespace, name).inc(failed)
 
     def forget(self, namespace: str, name: str) -> None:
-        for metric in (*self.totals.values(), self.healthy, self.pods_scraped, self.scrape_failures):
+        for metric in (*self.totals.values(), self.unaccounted, self.healthy, self.pods_scraped, self.scrape_failures):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

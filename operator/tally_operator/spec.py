@@ -50,6 +50,7 @@ class Spec:
     priority_class_name: str = ""
     runtime_class_name: str = ""
     startup_seconds: int = 1800
+    drain_seconds: int = 300
     scrape_interval_seconds: int = 15
     max_mismatch_ratio: float = 0.0
 
@@ -88,6 +89,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         priority_class_name=str(scheduling.get("priorityClassName") or ""),
         runtime_class_name=str(scheduling.get("runtimeClassName") or ""),
         startup_seconds=int(raw.get("startupSeconds", 1800)),
+        drain_seconds=int(raw.get("drainSeconds", 300)),
         scrape_interval_seconds=int(health.get("scrapeIntervalSeconds", 15)),
         max_mismatch_ratio=float(health.get("maxMismatchRatio", 0.0)),
     )

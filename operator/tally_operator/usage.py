@@ -1,9 +1,12 @@
 """PURE: scraped runtime metrics -> per-service usage totals and a usage-health verdict.
 
-Counters are read per pod; the operator keeps each pod's last values and adds only the increase, so a
-restarted pod (its counters back at zero) is new usage, never negative usage. The verdict looks at a
-window of recent rounds and has hysteresis: it turns unhealthy at once, and healthy again only after
-several clean rounds in a row.
+Counters are read per pod; the operator keeps each pod's last reading (by pod uid and the counters'
+epoch) and adds only the increase. The readings are written to the status with the totals, in the same
+write, so a restarted operator or its peer continues exactly. A pod that is unready or cannot be scraped
+keeps its reading; a pod is forgotten only once the API server no longer lists it. If its last reading
+was not final (the runtime drained and idle), whatever it served after that reading is missing: the pod
+is counted in `podsUnaccounted`. The verdict looks at a window of recent rounds and has hysteresis: it
+turns unhealthy at once, and healthy again only after several clean rounds in a row.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,7 +35,7 @@ class Counters:
     mismatches: float = 0.0
     derived_requests: float = 0.0
 
-    def minus(self, other: Counters) -> Counters:
+    def increase_since(self, other: Counters) -> Counters:
         """Increase since `other`; a counter that went down was reset, so all of it is new."""
         return Counters(**{f.name: _increase(getattr(other, f.name), getattr(self, f.name)) for f in fields(self)})
 
@@ -48,7 +52,8 @@ class PodSample:
     counters: Counters
     stream_mode: str  # incremental | cumulative | unknown
     completion_drift: float | None = None  # ours minus SGLang's, when SGLang's series are present
-    started: float | None = None  # the runtime process's start time: a new value means its counters reset
+    started: float | None = None  # the counters' epoch: a new value means they began again from zero
+    final: bool = False  # draining with nothing in flight: the pod's last counters
 
 
 _COUNTER_NAMES = {
@@ -61,6 +66,9 @@ _COUNTER_NAMES = {
 }
 
 
+_FINAL_GAUGES = {m.DRAINING, m.INFLIGHT_GENERATIONS, m.QUEUED_REQUESTS}
+
+
 class MetricsParseError(ValueError):
     pass
 
@@ -71,6 +79,7 @@ def parse_sample(text: str) -> PodSample:
     modes: dict[str, float] = {}
     drift: float | None = None
     started: float | None = None
+    gauges: dict[str, float] = {}
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -87,23 +96,39 @@ def parse_sample(text: str) -> PodSample:
                     drift = sample.value
                 elif sample.name == m.START_TIME:
                     started = sample.value
+                elif sample.name in _FINAL_GAUGES:
+                    gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
     except (ValueError, TypeError, KeyError) as err:
         raise MetricsParseError(f"not Prometheus text: {err}") from None
     if not seen:
         raise MetricsParseError("no Tally usage series in the response")
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
-    return PodSample(Counters(**values), mode, drift, started)
+    final = gauges.get(m.DRAINING) == 1 and not gauges.get(m.INFLIGHT_GENERATIONS) \
+        and not gauges.get(m.QUEUED_REQUESTS)
+    return PodSample(Counters(**values), mode, drift, started, final)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """The last counters read from one pod, and under which epoch."""
+
+    counters: Counters
+    epoch: float | None
+    final: bool = False
 
 
 @dataclass
 class UsageState:
-    """What the operator remembers per service between rounds (kept in kopf's per-object memo)."""
+    """What the operator remembers per service between rounds; `readings` and the totals are persisted."""
 
-    last: dict[str, Counters] = field(default_factory=dict)  # pod uid -> last counters
-    started: dict[str, float | None] = field(default_factory=dict)  # pod uid -> its runtime's start time
+    readings: dict[str, Reading] = field(default_factory=dict)  # pod uid -> its last reading
     totals: Counters = field(default_factory=Counters)
+    unaccounted: int = 0
+    # Every pod counted so far has a reading. False only after an upgrade from a status without readings:
+    # then pods seen first are a baseline, not new usage.
+    complete: bool = True
     window: deque[Counters] = field(default_factory=lambda: deque(maxlen=WINDOW_ROUNDS))
-    # pod uid -> its recent drift readings (this incarnation): only a change within the window counts
+    # pod uid -> its recent drift readings (this epoch): only a change within the window counts
     drifts: dict[str, deque[float]] = field(default_factory=dict)
     good_streak: int = 0
     unhealthy: Verdict | None = None  # the last definite verdict, when False: True needs a clean streak
@@ -113,35 +138,56 @@ class UsageState:
 class Round:
     samples: Mapping[str, PodSample]  # pod uid -> sample, for pods scraped successfully
     failed: frozenset[str] = frozenset()  # pod uids that could not be scraped
-    new_pods: frozenset[str] = frozenset()  # pods to count from zero (created after we started watching)
+    present: frozenset[str] | None = None  # every pod the API server lists (None: the scraped and failed ones)
 
 
 def absorb(state: UsageState, round_: Round) -> Counters:
     """Add this round's increases to the totals; returns the round's increase."""
     increase = Counters()
     for uid, sample in round_.samples.items():
-        before = state.last.get(uid)
-        if before is None and uid not in round_.new_pods:
-            before = sample.counters  # seen first after a restart of ours: a baseline, not new usage
-        elif before is not None and sample.started != state.started.get(uid):
-            # The runtime restarted: all of its counters are new, even where they already climbed past
-            # the old values (a decrease alone would miss that).
-            before = Counters()
-        delta = sample.counters.minus(before or Counters())
-        increase = increase.plus(delta)
-        if uid in state.started and sample.started != state.started[uid]:
-            state.drifts.pop(uid, None)  # a new incarnation starts its drift afresh
+        before = state.readings.get(uid)
+        if before is None:
+            base = Counters() if state.complete else sample.counters  # new pod: all of it is new usage
+        elif sample.started != before.epoch:
+            # The counters began again (a process restart without its journal): all of them are new,
+            # even where they already climbed past the old values; what came after the last reading is lost.
+            base = Counters()
+            state.unaccounted += 0 if before.final else 1
+            state.drifts.pop(uid, None)
+        else:
+            base = before.counters
+        increase = increase.plus(sample.counters.increase_since(base))
         if sample.completion_drift is not None:
             state.drifts.setdefault(uid, deque(maxlen=WINDOW_ROUNDS)).append(sample.completion_drift)
-        state.last[uid] = sample.counters
-        state.started[uid] = sample.started
-    for gone in set(state.last) - set(round_.samples) - set(round_.failed):
-        del state.last[gone]  # the pod is gone; a failed scrape keeps its last values
-        state.started.pop(gone, None)
+        state.readings[uid] = Reading(sample.counters, sample.started, sample.final)
+    present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
+    for gone in set(state.readings) - present:
+        if not state.readings.pop(gone).final:
+            state.unaccounted += 1
         state.drifts.pop(gone, None)
+    state.complete = True
     state.totals = state.totals.plus(increase)
     state.window.append(increase)
     return increase
+
+
+def scrape_targets(pods: Iterable[Mapping[str, Any]], readings: Mapping[str, Reading], port: int) -> dict[str, str]:
+    """Pod uid -> metrics URL: every ready pod, every terminating one (its final counters), and every pod
+    already counted even while it is unready (it keeps serving what it had accepted)."""
+    targets = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        ip, uid = status.get("podIP"), meta.get("uid")
+        if ip and uid and (is_ready(pod) or meta.get("deletionTimestamp") or uid in readings):
+            targets[str(uid)] = f"http://{ip}:{port}/metrics"
+    return targets
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True"
+                for cond in status.get("conditions") or [])
+    return bool(ready and status.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
 def stream_mode(samples: Iterable[PodSample]) -> str:
@@ -196,22 +242,45 @@ def _raw_verdict(state: UsageState, round_: Round, max_mismatch_ratio: float) ->
                    f"Engine usage matches the streamed tokens on {len(round_.samples)} pod(s)")
 
 
+_STATUS_KEYS = {"requests": "requests", "prompt_tokens": "promptTokens", "completion_tokens": "completionTokens",
+                "cached_tokens": "cachedTokens", "mismatches": "mismatches", "derived_requests": "derivedRequests"}
+
+
+def _counters_status(counters: Counters) -> dict[str, int]:
+    return {key: int(getattr(counters, name)) for name, key in _STATUS_KEYS.items()}
+
+
+def _counters_from(raw: Mapping[str, object]) -> Counters:
+    def num(key: str) -> float:
+        value = raw.get(key, 0)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+    return Counters(**{name: num(key) for name, key in _STATUS_KEYS.items()})
+
+
 def usage_status(state: UsageState, round_: Round, scraped_at: str) -> dict[str, object]:
-    t = state.totals
+    """`status.usage`: the totals and, in the same write, every pod's reading they stand on."""
+    pods = [{"uid": uid, "epoch": r.epoch, "final": r.final, **_counters_status(r.counters)}
+            if r.epoch is not None else {"uid": uid, "final": r.final, **_counters_status(r.counters)}
+            for uid, r in sorted(state.readings.items())]
     return {
-        "requests": int(t.requests), "promptTokens": int(t.prompt_tokens),
-        "completionTokens": int(t.completion_tokens), "cachedTokens": int(t.cached_tokens),
-        "mismatches": int(t.mismatches), "derivedRequests": int(t.derived_requests),
+        **_counters_status(state.totals),
         "streamMode": stream_mode(round_.samples.values()), "podsScraped": len(round_.samples),
-        "podsFailed": len(round_.failed), "lastScrapeTime": scraped_at,
+        "podsFailed": len(round_.failed), "podsUnaccounted": state.unaccounted, "lastScrapeTime": scraped_at,
+        "pods": pods,
     }
 
 
-def totals_from_status(usage: Mapping[str, object]) -> Counters:
-    """Resume totals from a status written before an operator restart."""
-    def num(key: str) -> float:
-        value = usage.get(key, 0)
-        return float(value) if isinstance(value, int | float) else 0.0
-
-    return Counters(num("requests"), num("promptTokens"), num("completionTokens"), num("cachedTokens"),
-                    num("mismatches"), num("derivedRequests"))
+def state_from_status(usage: Mapping[str, object]) -> UsageState:
+    """Resume where the last status write left off (an operator restart, or its peer taking over)."""
+    readings: dict[str, Reading] = {}
+    raw_pods = usage.get("pods")
+    for pod in raw_pods if isinstance(raw_pods, list) else []:
+        if isinstance(pod, Mapping) and isinstance(pod.get("uid"), str):
+            epoch = pod.get("epoch")
+            readings[str(pod["uid"])] = Reading(_counters_from(pod), float(epoch) if isinstance(
+                epoch, int | float) else None, bool(pod.get("final")))
+    unaccounted = usage.get("podsUnaccounted", 0)
+    return UsageState(readings=readings, totals=_counters_from(usage),
+                      unaccounted=unaccounted if isinstance(unaccounted, int) else 0,
+                      complete=not usage or isinstance(raw_pods, list))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up
 from operator_harness import OperatorProcess, chart_token_kubeconfig, install_chart
+from usage_harness import PodRunner, runtime_command
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +50,20 @@ def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iter
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def runner(kube_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodRunner]:
+    overrides: dict[str, Any] = {}
+
+    def command_for(pod: dict[str, Any]) -> list[str] | None:
+        hook = overrides.get(pod["metadata"]["namespace"])
+        return hook(pod) if hook else runtime_command(pod)
+
+    pods = PodRunner(kube_env, tmp_path_factory.mktemp("pods"), command_for=command_for)
+    pods.overrides = overrides  # type: ignore[attr-defined]
+    thread = threading.Thread(target=pods.run, daemon=True)
+    thread.start()
+    yield pods
+    pods.close()
+    thread.join(timeout=30)

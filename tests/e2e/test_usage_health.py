@@ -3,95 +3,28 @@
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
-import yaml
 from kube_harness import ROOT, Kubectl, eventually
 from operator_harness import OperatorProcess
 from runtime_harness import metric_value
-
-sys.path.insert(0, str(ROOT / "hack"))
-from pod_runner import PodRunner, runtime_command
+from usage_harness import (
+    PodRunner,
+    complete,
+    healthy,
+    runtime_command,
+    service,
+    serving_pods,
+    status,
+    totals_match,
+    usage_condition,
+)
 
 pytestmark = pytest.mark.e2e
 FAKES = ROOT / "tests" / "fakes"
-
-
-@pytest.fixture(scope="module")
-def runner(kube_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodRunner]:
-    overrides: dict[str, Any] = {}
-
-    def command_for(pod: dict[str, Any]) -> list[str] | None:
-        hook = overrides.get(pod["metadata"]["namespace"])
-        return hook(pod) if hook else runtime_command(pod)
-
-    pods = PodRunner(kube_env, tmp_path_factory.mktemp("pods"), command_for=command_for)
-    pods.overrides = overrides  # type: ignore[attr-defined]
-    thread = threading.Thread(target=pods.run, daemon=True)
-    thread.start()
-    yield pods
-    pods.close()
-    thread.join(timeout=30)
-
-
-def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
-    manifest = yaml.safe_load((ROOT / "crds" / "examples" / "smollm-cpu.yaml").read_text())
-    manifest["metadata"]["name"] = name
-    manifest["spec"]["replicas"] = replicas
-    manifest["spec"]["usageHealth"] = {"scrapeIntervalSeconds": 1}
-    return dict(manifest)
-
-
-def status(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
-    return dict(kube.json("get", "completionservice", name).get("status") or {})
-
-
-def usage_condition(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
-    return next((c for c in status(kube, name).get("conditions") or [] if c["type"] == "UsageHealthy"), {})
-
-
-def serving_pods(kube: Kubectl, count: int) -> list[dict[str, Any]]:
-    def ready() -> list[dict[str, Any]]:
-        pods = [p for p in kube.json("get", "pods")["items"] if p["status"].get("podIP")
-                and not p["metadata"].get("deletionTimestamp")]
-        healthy = [p for p in pods if _healthy(p["status"]["podIP"])]
-        return healthy if len(healthy) == count else []
-
-    return list(eventually(ready, 120, interval=0.5, what=f"{count} runtimes serving on pod IPs"))
-
-
-def _healthy(ip: str) -> bool:
-    try:
-        return httpx.get(f"http://{ip}:8000/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def complete(ip: str, stream: bool, prompt: str = "Tell me a joke", max_tokens: int = 6) -> dict[str, int]:
-    client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0)
-    if not stream:
-        reply = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens)
-        assert reply.usage is not None
-        return {"prompt": reply.usage.prompt_tokens, "completion": reply.usage.completion_tokens}
-    usage = None
-    for chunk in client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens,
-                                           stream=True, stream_options={"include_usage": True}):
-        usage = chunk.usage or usage
-    assert usage is not None
-    return {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
-
-
-def totals_match(kube: Kubectl, sent: list[dict[str, int]]) -> dict[str, Any]:
-    usage = status(kube).get("usage") or {}
-    expected = (len(sent), sum(u["prompt"] for u in sent), sum(u["completion"] for u in sent))
-    return usage if (usage.get("requests"), usage.get("promptTokens"), usage.get("completionTokens")) == expected \
-        else {}
 
 
 def test_status_usage_is_exactly_what_clients_received(operator: OperatorProcess, runner: PodRunner,
@@ -104,7 +37,7 @@ def test_status_usage_is_exactly_what_clients_received(operator: OperatorProcess
     assert usage["mismatches"] == 0 and usage["streamMode"] == "incremental" and usage["podsScraped"] == 2
     text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics").text
     labels = {"namespace": namespace, "name": "smollm"}
-    assert metric_value(text, "tally_service_completion_tokens", labels) == usage["completionTokens"]
+    assert metric_value(text, "tally_service_completion_tokens_total", labels) == usage["completionTokens"]
     assert metric_value(text, "tally_service_usage_healthy", labels) == 1
 
     # a runtime crashes and restarts with its counters at zero: no negative and no lost usage
@@ -168,7 +101,7 @@ def test_scrape_failures_never_stall_the_others(operator: OperatorProcess, runne
         return others[0] if len(pods) == 2 and others else ""
 
     ip = eventually(the_good_pod, 60, what="two pods, one of them slow")
-    eventually(lambda: _healthy(ip), 120, what="the good pod's runtime")
+    eventually(lambda: healthy(ip), 120, what="the good pod's runtime")
     sent = [complete(ip, stream=True)]
     usage = eventually(lambda: (u := status(kube).get("usage") or {}).get("completionTokens") == sent[0]["completion"]
                        and u["podsFailed"] == 1 and u, 60, what="usage from the good pod despite the slow one")

@@ -18,6 +18,9 @@ GPU_TOLERATION = '[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSched
 
 
 def install_chart(kubectl: Kubectl) -> None:
+    # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one.
+    crd = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
                     "--set-json", f"tolerations={GPU_TOLERATION}", "--wait", "--timeout", "120s"],
                    check=True, env=kubectl.env, capture_output=True, timeout=180)
@@ -56,6 +59,13 @@ class OperatorProcess:
             return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def kill(self) -> None:
+        """No shutdown at all: what a crashed or evicted operator does."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc = None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -72,3 +72,17 @@ def test_invalid_specs(raw: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError) as caught:
         parse_spec(raw)
     assert caught.value.reason == reason
+
+
+def test_pods_keep_their_counters_on_a_volume_and_get_time_to_drain() -> None:
+    raw = {**SGLANG, "drainSeconds": 120, "usageHealth": {"scrapeIntervalSeconds": 10}}
+    pod = desired_deployment(META, parse_spec(raw), OperatorSettings())["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert {"name": "ledger", "emptyDir": {"sizeLimit": "16Mi"}} in pod["volumes"]
+    assert {"name": "ledger", "mountPath": "/var/lib/tally"} in c["volumeMounts"]
+    args = c["args"]
+    assert args[args.index("--journal-path") + 1] == "/var/lib/tally/usage.json"
+    assert args[args.index("--drain-seconds") + 1] == "120"
+    final_read = int(args[args.index("--final-read-seconds") + 1])
+    assert final_read >= 2 * 10  # the operator gets two scrape rounds to read the final counters
+    assert pod["terminationGracePeriodSeconds"] > 120 + final_read  # the kubelet never kills a drain short

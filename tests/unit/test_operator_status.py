@@ -13,11 +13,15 @@ from tally_operator.usage import (
     Counters,
     MetricsParseError,
     PodSample,
+    Reading,
     Round,
     UsageState,
     absorb,
     judge,
     parse_sample,
+    scrape_targets,
+    state_from_status,
+    usage_status,
 )
 
 SPEC = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}, "replicas": 2})
@@ -103,22 +107,22 @@ def sample(completion: float, mismatches: float = 0, mode: str = "incremental") 
 
 def test_counter_reset_is_new_usage_not_negative() -> None:
     state = UsageState()
-    absorb(state, Round({"a": sample(100)}, new_pods=frozenset({"a"})))
+    absorb(state, Round({"a": sample(100)}))
     absorb(state, Round({"a": sample(140)}))
     absorb(state, Round({"a": sample(12)}))  # the pod restarted: its counters began again at zero
     assert state.totals.completion_tokens == 152
 
 
-def test_pods_seen_first_after_an_operator_restart_are_a_baseline() -> None:
-    state = UsageState(totals=Counters(completion_tokens=500))
+def test_pods_seen_first_after_an_upgrade_from_a_status_without_readings_are_a_baseline() -> None:
+    state = state_from_status({"requests": 125, "completionTokens": 500})  # written by an older operator
     absorb(state, Round({"old": sample(300)}))  # already counted before the restart
-    absorb(state, Round({"old": sample(320), "new": sample(8)}, new_pods=frozenset({"new"})))
+    absorb(state, Round({"old": sample(320), "new": sample(8)}))
     assert state.totals.completion_tokens == 500 + 20 + 8
 
 
 def test_health_hysteresis_and_reasons() -> None:
     state = UsageState()
-    bad = Round({"a": sample(40, mismatches=1)}, new_pods=frozenset({"a"}))
+    bad = Round({"a": sample(40, mismatches=1)})
     absorb(state, bad)
     assert judge(state, bad, 0.0).reason == "UsageMismatch"
     for _ in range(10):  # the window of recent rounds slides past the mismatch
@@ -139,8 +143,7 @@ def test_health_hysteresis_and_reasons() -> None:
 
 def test_restart_detected_by_start_time_even_when_counters_climbed_past() -> None:
     state = UsageState()
-    absorb(state, Round({"a": PodSample(Counters(completion_tokens=12), "incremental", None, 100.0)},
-                        new_pods=frozenset({"a"})))
+    absorb(state, Round({"a": PodSample(Counters(completion_tokens=12), "incremental", None, 100.0)}))
     # the runtime restarted and served 14 tokens before the next scrape: more than before, yet all new
     absorb(state, Round({"a": PodSample(Counters(completion_tokens=14), "incremental", None, 200.0)}))
     assert state.totals.completion_tokens == 26
@@ -148,7 +151,7 @@ def test_restart_detected_by_start_time_even_when_counters_climbed_past() -> Non
 
 def test_an_unknown_round_does_not_skip_the_healthy_streak() -> None:
     state = UsageState()
-    bad = Round({"a": sample(40, mismatches=1)}, new_pods=frozenset({"a"}))
+    bad = Round({"a": sample(40, mismatches=1)})
     absorb(state, bad)
     assert judge(state, bad, 0.0).status == "False"
     for _ in range(10):  # the mismatch slides out of the window
@@ -169,7 +172,7 @@ def drifted(completion: float, drift: float) -> PodSample:
 
 def test_an_old_drift_ages_out_while_a_growing_one_is_caught() -> None:
     state = UsageState()
-    old = Round({"a": drifted(400, -397)}, new_pods=frozenset({"a"}))  # one abandoned request long ago
+    old = Round({"a": drifted(400, -397)})  # one abandoned request long ago
     absorb(state, old)
     assert judge(state, old, 0.0).status == "True"  # a constant offset is not a trend
     for _ in range(3):
@@ -190,8 +193,75 @@ def test_an_old_drift_ages_out_while_a_growing_one_is_caught() -> None:
 
 def test_a_restarted_runtime_starts_its_drift_afresh() -> None:
     state = UsageState()
-    absorb(state, Round({"a": PodSample(Counters(completion_tokens=10), "incremental", -300.0, 1.0)},
-                        new_pods=frozenset({"a"})))
+    absorb(state, Round({"a": PodSample(Counters(completion_tokens=10), "incremental", -300.0, 1.0)}))
     restarted = Round({"a": PodSample(Counters(completion_tokens=10), "incremental", 0.0, 2.0)})
     absorb(state, restarted)
     assert judge(state, restarted, 0.0).status == "True"
+
+
+def at(completion: float, epoch: float = 1.0, final: bool = False) -> PodSample:
+    return PodSample(Counters(requests=completion / 4, completion_tokens=completion), "incremental", None, epoch, final)
+
+
+def test_a_pod_unready_for_a_round_keeps_its_reading() -> None:
+    """It was dropped and counted from zero again: a pod at 1000 that came back at 1200 added 1200."""
+    state = UsageState()
+    absorb(state, Round({"a": at(1000)}, present=frozenset({"a"})))
+    absorb(state, Round({}, present=frozenset({"a"})))  # unready: not scraped, still listed
+    absorb(state, Round({"a": at(1200)}, present=frozenset({"a"})))
+    assert state.totals.completion_tokens == 1200 and state.unaccounted == 0
+
+
+def test_a_new_pod_is_known_by_its_uid_not_by_clocks() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": at(40)}))
+    absorb(state, Round({"a": at(40), "b": at(8)}))  # b: never read before, so all of it is new
+    assert state.totals.completion_tokens == 48
+
+
+def test_a_pod_gone_after_its_final_read_is_exact_and_one_gone_before_is_unaccounted() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": at(10), "b": at(10)}))
+    absorb(state, Round({"a": at(30, final=True), "b": at(12)}))  # a drained and was read a last time
+    absorb(state, Round({}, present=frozenset()))  # both are gone
+    assert state.totals.completion_tokens == 42
+    assert state.unaccounted == 1 and state.readings == {}
+
+
+def test_new_counters_under_the_same_pod_are_new_usage_and_the_lost_tail_is_unaccounted() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": at(100, epoch=1.0)}))
+    absorb(state, Round({"a": at(30, epoch=2.0)}))  # restarted without its journal
+    assert state.totals.completion_tokens == 130 and state.unaccounted == 1
+
+
+def test_a_restarted_operator_continues_exactly_from_the_status() -> None:
+    before = UsageState()
+    absorb(before, Round({"a": at(100), "b": at(40)}))
+    written = usage_status(before, Round({"a": at(100), "b": at(40)}), "t")
+    assert [p["uid"] for p in written["pods"]] == ["a", "b"]  # type: ignore[index]
+    after = state_from_status(written)  # a new process (or the peer) reads the status back
+    absorb(after, Round({"a": at(116), "b": at(40), "c": at(8)}))  # served while no operator ran
+    assert after.totals.completion_tokens == 140 + 16 + 8
+    assert after.totals.requests == (100 + 40) / 4 + 4 + 2
+
+
+def test_terminating_and_known_unready_pods_are_scraped_new_unready_ones_are_not() -> None:
+    def pod(uid: str, ready: bool, deleting: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"uid": uid, **({"deletionTimestamp": "2026-12-03T00:00:00Z"} if deleting else {})}
+        return {"metadata": meta, "status": {"podIP": f"127.11.0.{len(uid)}", "conditions": [
+            {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    pods = [pod("r", True), pod("tt", True, deleting=True), pod("kkk", False), pod("nnnn", False)]
+    targets = scrape_targets(pods, {"kkk": Reading(Counters(), 1.0)}, 8000)
+    assert sorted(targets) == ["kkk", "r", "tt"]
+    assert targets["tt"] == "http://127.11.0.2:8000/metrics"
+
+
+def test_a_draining_idle_runtime_reports_final_counters() -> None:
+    base = ("# TYPE tally_requests counter\ntally_requests_total{endpoint=\"completions\",outcome=\"ok\","
+            "finish_reason=\"length\"} 3.0\n# TYPE tally_draining gauge\ntally_draining %s\n"
+            "# TYPE tally_inflight_generations gauge\ntally_inflight_generations %s\n")
+    assert parse_sample(base % ("1.0", "0.0")).final
+    assert not parse_sample(base % ("1.0", "2.0")).final  # still finishing streams
+    assert not parse_sample(base % ("0.0", "0.0")).final

@@ -1,0 +1,105 @@
+"""The counter journal's cost: the runtime with `--journal-path` against the same runtime without it.
+
+Both servers run at once in their own processes (relay.py's `tally` app over its model-free engine) and
+take turns in every round; short requests make the per-request journal write as visible as it can be.
+Reported: requests/s and server CPU per request, the ratio journal/no journal, and the cost of one
+journal write measured in this process.
+
+    python benchmarks/journal.py [--streams 1,16] [--tokens 1,16] [--requests 4000] [--repeats 3] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import relay
+from tally_runtime.ledger import Journal, Totals
+
+KINDS = ("tally", "tally-journal")
+
+
+async def requests(port: int, pid: int, streams: int, tokens: int, total: int) -> dict[str, float]:
+    per_client = max(1, total // streams)
+
+    async def client() -> int:
+        for _ in range(per_client):
+            delivered, _ = await relay.one_stream(port, tokens)
+            assert delivered == tokens, f"{delivered} of {tokens} tokens"
+        return per_client
+
+    await relay.one_stream(port, tokens)  # warm up
+    cpu0, t0 = relay.cpu_seconds(pid), time.perf_counter()
+    done = sum(await asyncio.gather(*(client() for _ in range(streams))))
+    elapsed, cpu = time.perf_counter() - t0, relay.cpu_seconds(pid) - cpu0
+    return {"requests": done, "requests_per_s": done / elapsed, "cpu_ms_per_request": 1000 * cpu / done}
+
+
+def write_cost(writes: int = 5000) -> float:
+    """Microseconds per journal write of a realistic snapshot (a few dozen label sets)."""
+    totals = Totals(requests={f"completions|ok|reason{i}": float(i) for i in range(24)}, prompt_tokens=1e9,
+                    completion_tokens=2e9)
+    with tempfile.TemporaryDirectory() as folder:
+        journal = Journal(Path(folder) / "usage.json")
+        t0 = time.perf_counter()
+        for i in range(writes):
+            totals.completion_tokens += i
+            journal.write(totals)
+        return 1e6 * (time.perf_counter() - t0) / writes
+
+
+def run(streams: list[int], tokens: list[int], total: int, repeats: int) -> dict[str, Any]:
+    report: dict[str, Any] = {"requests_per_point": total, "repeats": repeats, "write_us": write_cost(),
+                              "results": {}}
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["TALLY_BENCH_JOURNAL"] = str(Path(folder) / "usage.json")
+        servers = {kind: relay.start_server(kind, "uvloop") for kind in KINDS}
+        try:
+            for c in streams:
+                for t in tokens:
+                    rounds: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
+                    for _ in range(repeats):
+                        for kind, (proc, port) in servers.items():
+                            rounds[kind].append(asyncio.run(requests(port, proc.pid, c, t, total)))
+                    point = {k: sorted(v, key=lambda r: r["requests_per_s"])[len(v) // 2] for k, v in rounds.items()}
+                    point["throughput_ratio"] = relay.ratio(point["tally-journal"]["requests_per_s"],
+                                                            point["tally"]["requests_per_s"])
+                    point["cpu_ratio"] = relay.ratio(point["tally-journal"]["cpu_ms_per_request"],
+                                                     point["tally"]["cpu_ms_per_request"])
+                    report["results"][f"streams={c} tokens={t}"] = point
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=30)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,16")
+    parser.add_argument("--tokens", default="1,16")
+    parser.add_argument("--requests", type=int, default=4000, help="requests per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    report = run([int(s) for s in args.streams.split(",")], [int(t) for t in args.tokens.split(",")], args.requests,
+                 args.repeats)
+    print(f"one journal write: {report['write_us']:.1f} us")
+    for point, r in report["results"].items():
+        print(f"{point:>20}: {r['tally']['requests_per_s']:.0f} req/s without, "
+              f"{r['tally-journal']['requests_per_s']:.0f} with the journal: {r['throughput_ratio']:.3f}x throughput, "
+              f"{r['cpu_ratio']:.3f}x CPU per request")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

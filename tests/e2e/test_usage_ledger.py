@@ -1,0 +1,120 @@
+"""The usage ledger end to end: status.usage equals what the clients received, through every pod and
+operator lifecycle event a service lives through (issue: steady state, a pod deleted mid-stream and right
+after serving, a runtime crash, a scale-down, the operator killed while pods serve, a pod unready).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from typing import Any
+
+import httpx
+import pytest
+from kube_harness import Kubectl, eventually
+from operator_harness import OperatorProcess
+from runtime_harness import sse_payloads
+from usage_harness import PodRunner, complete, service, serving_pods, status, totals_match
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m-instruct"
+
+
+def ip(pod: dict[str, Any]) -> str:
+    return str(pod["status"]["podIP"])
+
+
+def others(kube: Kubectl, gone: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The serving pods once `gone` is no longer one of them."""
+    def check() -> list[dict[str, Any]]:
+        pods = serving_pods(kube, count)
+        return pods if all(p["metadata"]["uid"] != gone["metadata"]["uid"] for p in pods) else []
+
+    return list(eventually(check, 120, interval=0.5, what="a replacement pod serving"))
+
+
+def stream_through_shutdown(pod_ip: str, kube: Kubectl, pod_name: str) -> dict[str, int]:
+    """A stream in flight when its pod is deleted: it must still end with [DONE] and its usage."""
+    body = {"model": MODEL, "prompt": "Write a long story:", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"http://{pod_ip}:8000/v1/completions", json=body, timeout=120) as response:
+        chunks = iter(response.iter_bytes())
+        received = [next(chunks)]
+        kube("delete", "pod", pod_name, "--wait=false")
+        received.extend(chunks)
+    events = sse_payloads(b"".join(received))
+    assert events[-1] == "[DONE]", "the stream was cut by the shutdown"
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 40
+    return {"prompt": usage["prompt_tokens"], "completion": usage["completion_tokens"]}
+
+
+def exact(kube: Kubectl, sent: list[dict[str, int]], what: str, deadline: float = 60) -> dict[str, Any]:
+    usage = eventually(lambda: totals_match(kube, sent), deadline, interval=0.5, what=f"status.usage exact {what}")
+    return dict(usage)
+
+
+def test_status_usage_equals_what_clients_received_through_every_lifecycle_event(
+        operator: OperatorProcess, runner: PodRunner, kube: Kubectl, namespace: str) -> None:
+    kube.apply(service(replicas=2))
+    pods = serving_pods(kube, 2)
+    sent = [complete(ip(p), stream=i % 2 == 0) for i, p in enumerate(pods * 2)]
+    exact(kube, sent, "in steady state")
+
+    # a pod deleted while it streams: the stream finishes, the pod drains and is read a last time
+    victim = pods[0]
+    sent.append(stream_through_shutdown(ip(victim), kube, victim["metadata"]["name"]))
+    pods = others(kube, victim, 2)
+    exact(kube, sent, "after a pod was deleted mid-stream")
+
+    # a pod deleted right after serving
+    victim = pods[0]
+    sent.append(complete(ip(victim), stream=True))
+    kube("delete", "pod", victim["metadata"]["name"], "--wait=false")
+    pods = others(kube, victim, 2)
+    exact(kube, sent, "after a pod was deleted right after serving")
+
+    # the runtime process killed right after serving: the container restarts on the same pod volume
+    victim = pods[1]
+    sent.append(complete(ip(victim), stream=False))
+    runner.kill(victim["metadata"]["uid"])
+    pods = serving_pods(kube, 2)
+    sent.append(complete(ip(victim), stream=True))
+    exact(kube, sent, "after a runtime crash")
+
+    # scale 2 -> 1 right after both pods served
+    sent += [complete(ip(p), stream=True) for p in pods]
+    kube("scale", "completionservice", "smollm", "--replicas=1")
+    pods = serving_pods(kube, 1)
+    exact(kube, sent, "after a scale-down")
+
+    # the operator killed; the pod serves while no operator runs; the operator comes back
+    operator.kill()
+    sent += [complete(ip(pods[0]), stream=i == 0) for i in range(2)]
+    operator.start()
+    # kopf's peering keeps a killed operator's record for a while; the new one may wait it out first
+    exact(kube, sent, "after the operator was killed and started again", deadline=180)
+
+    # the pod unready for a while: it still serves what reaches it, and nothing is counted twice
+    pod = pods[0]
+    kube("patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
+         "-p", json.dumps({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}))
+    sent.append(complete(ip(pod), stream=True))
+    scraped_at = status(kube)["usage"]["lastScrapeTime"]
+    eventually(lambda: status(kube)["usage"]["lastScrapeTime"] > scraped_at, 30, what="a round while unready")
+    kube("patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
+         "-p", json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+    sent.append(complete(ip(pod), stream=False))
+    usage = exact(kube, sent, "after a pod was unready")
+    assert usage["podsUnaccounted"] == 0 and usage["mismatches"] == 0
+
+
+def test_concurrent_streams_across_a_pod_deletion_are_all_counted(
+        operator: OperatorProcess, runner: PodRunner, kube: Kubectl, namespace: str) -> None:
+    kube.apply(service(replicas=1))
+    pod = serving_pods(kube, 1)[0]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        others_ = [pool.submit(complete, ip(pod), True, f"Story {i}:", 24) for i in range(2)]
+        mine = stream_through_shutdown(ip(pod), kube, pod["metadata"]["name"])
+        sent = [mine, *(f.result(timeout=120) for f in others_)]
+    exact(kube, sent, "after a deletion with several streams in flight")
