@@ -1,9 +1,9 @@
-"""The counter journal's cost: the runtime with `--journal-path` against the same runtime without it.
+"""Per-request bookkeeping: the counter journal and the usage records, each against the runtime without it.
 
-Both servers run at once in their own processes (relay.py's `tally` app over its model-free engine) and
-take turns in every round; short requests make the per-request journal write as visible as it can be.
-Reported: requests/s and server CPU per request, the ratio journal/no journal, and the cost of one
-journal write measured in this process.
+Three servers run at once in their own processes (relay.py's `tally` app over its model-free engine: plain,
+with `--journal-path`, with `--usage-records-file`) and take turns in every round; short requests make the
+per-request write as visible as it can be. Reported: requests/s and server CPU per request, the ratios
+against the plain runtime, and the cost of one journal write and one record measured in this process.
 
     python benchmarks/journal.py [--streams 1,16] [--tokens 1,16] [--requests 4000] [--repeats 3] [--json F]
 """
@@ -23,8 +23,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 import relay
 from tally_runtime.ledger import Journal, Totals
+from tally_runtime.records import RecordSink, UsageRecord
 
-KINDS = ("tally", "tally-journal")
+KINDS = ("tally", "tally-journal", "tally-records")
 
 
 async def requests(port: int, pid: int, streams: int, tokens: int, total: int) -> dict[str, float]:
@@ -56,11 +57,28 @@ def write_cost(writes: int = 5000) -> float:
         return 1e6 * (time.perf_counter() - t0) / writes
 
 
+def record_cost(writes: int = 5000) -> float:
+    """Microseconds per usage record appended to a file."""
+    record = UsageRecord(id="cmpl-0123456789abcdef0123456789abcdef", time=time.time(), model="m",
+                         endpoint="completions", tenant="team-a", outcome="ok", finish_reasons=("length",), n=1,
+                         stream=True, prompt_tokens=12, completion_tokens=64, cached_tokens=0, reasoning_tokens=0,
+                         derived=False, time_to_first_token_seconds=0.01, duration_seconds=0.5)
+    with tempfile.TemporaryDirectory() as folder:
+        sink = RecordSink(stdout=False, path=str(Path(folder) / "usage.jsonl"))
+        t0 = time.perf_counter()
+        for _ in range(writes):
+            sink.write(record)
+        elapsed = time.perf_counter() - t0
+        sink.close()
+    return 1e6 * elapsed / writes
+
+
 def run(streams: list[int], tokens: list[int], total: int, repeats: int) -> dict[str, Any]:
     report: dict[str, Any] = {"requests_per_point": total, "repeats": repeats, "write_us": write_cost(),
-                              "results": {}}
+                              "record_us": record_cost(), "results": {}}
     with tempfile.TemporaryDirectory() as folder:
         os.environ["TALLY_BENCH_JOURNAL"] = str(Path(folder) / "usage.json")
+        os.environ["TALLY_BENCH_RECORDS"] = str(Path(folder) / "usage.jsonl")
         servers = {kind: relay.start_server(kind, "uvloop") for kind in KINDS}
         try:
             for c in streams:
@@ -70,10 +88,11 @@ def run(streams: list[int], tokens: list[int], total: int, repeats: int) -> dict
                         for kind, (proc, port) in servers.items():
                             rounds[kind].append(asyncio.run(requests(port, proc.pid, c, t, total)))
                     point = {k: sorted(v, key=lambda r: r["requests_per_s"])[len(v) // 2] for k, v in rounds.items()}
-                    point["throughput_ratio"] = relay.ratio(point["tally-journal"]["requests_per_s"],
-                                                            point["tally"]["requests_per_s"])
-                    point["cpu_ratio"] = relay.ratio(point["tally-journal"]["cpu_ms_per_request"],
-                                                     point["tally"]["cpu_ms_per_request"])
+                    for kind in KINDS[1:]:
+                        point[f"{kind}_throughput_ratio"] = relay.ratio(point[kind]["requests_per_s"],
+                                                                        point["tally"]["requests_per_s"])
+                        point[f"{kind}_cpu_ratio"] = relay.ratio(point[kind]["cpu_ms_per_request"],
+                                                                 point["tally"]["cpu_ms_per_request"])
                     report["results"][f"streams={c} tokens={t}"] = point
         finally:
             for proc, _ in servers.values():
@@ -92,11 +111,12 @@ def main() -> None:
     args = parser.parse_args()
     report = run([int(s) for s in args.streams.split(",")], [int(t) for t in args.tokens.split(",")], args.requests,
                  args.repeats)
-    print(f"one journal write: {report['write_us']:.1f} us")
+    print(f"one journal write: {report['write_us']:.1f} us; one usage record: {report['record_us']:.1f} us")
     for point, r in report["results"].items():
-        print(f"{point:>20}: {r['tally']['requests_per_s']:.0f} req/s without, "
-              f"{r['tally-journal']['requests_per_s']:.0f} with the journal: {r['throughput_ratio']:.3f}x throughput, "
-              f"{r['cpu_ratio']:.3f}x CPU per request")
+        for kind in KINDS[1:]:
+            print(f"{point:>20} {kind:>13}: {r[kind]['requests_per_s']:.0f} vs {r['tally']['requests_per_s']:.0f} "
+                  f"req/s without: {r[f'{kind}_throughput_ratio']:.3f}x throughput, "
+                  f"{r[f'{kind}_cpu_ratio']:.3f}x CPU per request")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

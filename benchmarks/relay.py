@@ -131,12 +131,13 @@ def pydantic_app() -> Any:
     return app
 
 
-def tally_app(journal_path: str = "") -> Any:
+def tally_app(journal_path: str = "", records_file: str = "") -> Any:
+    """The runtime; per-request bookkeeping (journal, usage records) only where benchmarks/journal.py asks."""
     from tally_runtime.app import create_app
     from tally_runtime.settings import Settings
 
-    return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m", journal_path=journal_path),
-                      FastEngine())
+    return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m", journal_path=journal_path,
+                               usage_records=False, usage_records_file=records_file), FastEngine())
 
 
 STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop": "asyncio", "http": "h11"}}
@@ -146,8 +147,9 @@ def serve(kind: str, port: int, stack: str) -> None:
     import uvicorn
 
     apps = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app,
-            # the runtime with its counter journal on (benchmarks/journal.py)
-            "tally-journal": lambda: tally_app(os.environ["TALLY_BENCH_JOURNAL"])}
+            # the runtime with its counter journal, or its usage records, on (benchmarks/journal.py)
+            "tally-journal": lambda: tally_app(journal_path=os.environ["TALLY_BENCH_JOURNAL"]),
+            "tally-records": lambda: tally_app(records_file=os.environ["TALLY_BENCH_RECORDS"])}
     app = apps[kind]()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **STACKS[stack])
 

@@ -64,6 +64,7 @@ class PodRunner:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.terminating: dict[str, float] = {}  # pod uid -> when its grace period ends
         self.stopping = threading.Event()
+        self.syncing = threading.Condition()
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -140,13 +141,16 @@ class PodRunner:
                 proc.kill()
 
     def run(self, interval: float = 0.5) -> None:
-        while not self.stopping.is_set():
-            self.sync()
-            self.stopping.wait(interval)
+        with self.syncing:
+            while not self.stopping.is_set():
+                self.sync()
+                self.syncing.wait(interval)
 
     def close(self) -> None:
-        """Stop every runtime and release every pod still held, so namespaces can go."""
-        self.stopping.set()
+        """Stop the sync loop, then every runtime, and release every pod still held, so namespaces can go."""
+        with self.syncing:  # a sync in progress finishes first: nothing starts after this
+            self.stopping.set()
+            self.syncing.notify_all()
         for uid in list(self.procs):
             self.stop(uid)
         for pod in self.pods():
@@ -161,7 +165,7 @@ def main() -> None:
     parser.add_argument("--log-dir", default=".tally/pods")
     args = parser.parse_args()
     runner = PodRunner(dict(os.environ), Path(args.log_dir), args.namespace)
-    signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
+    signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())  # run() ends after its current sync
     try:
         runner.run()
     except KeyboardInterrupt:

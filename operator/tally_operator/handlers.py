@@ -172,7 +172,7 @@ def check_usage(meta: dict[str, str], spec: Spec, pods: list[dict[str, Any]], me
     increase = absorb(state, round_)
     verdict = judge(state, round_, spec.max_mismatch_ratio)
     METRICS.record(meta["namespace"], meta["name"], increase, verdict.status, len(samples), len(failed),
-                   state.unaccounted - unaccounted)
+                   state.unaccounted - unaccounted, state.tenant_increase)
     return usage_status(state, round_, now()), verdict, state.unaccounted - unaccounted
 
 

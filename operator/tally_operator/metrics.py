@@ -6,6 +6,7 @@ Usage series are counters (`_total`): they only rise, by what each scrape round 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -20,6 +21,7 @@ _FIELDS = {
     "mismatches": "Choices whose engine token count differed from the tokens streamed",
     "derived_requests": "Requests whose usage the runtime had to count itself",
 }
+_TENANT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 HEALTH_VALUES = {"True": 1.0, "False": 0.0, "Unknown": -1.0}
 
 
@@ -28,6 +30,10 @@ class OperatorMetrics:
         self.registry = CollectorRegistry()
         labels = ["namespace", "name"]
         self.totals = {f: Counter(f"{PREFIX}_{f}", text, labels, registry=self.registry) for f, text in _FIELDS.items()}
+        tenant_labels = [*labels, "tenant"]
+        self.tenants = {f: Counter(f"{PREFIX}_tenant_{f}", f"{text}, per tenant", tenant_labels, registry=self.registry)
+                        for f, text in _FIELDS.items() if f in _TENANT_FIELDS}
+        self.seen_tenants: dict[tuple[str, str], set[str]] = {}
         self.unaccounted = Counter(f"{PREFIX}_pods_unaccounted", "Pods whose last counters were never read",
                                    labels, registry=self.registry)
         self.healthy = Gauge(f"{PREFIX}_usage_healthy", "UsageHealthy: 1 True, 0 False, -1 Unknown", labels,
@@ -41,9 +47,13 @@ class OperatorMetrics:
         start_http_server(port, addr=address, registry=self.registry)
 
     def record(self, namespace: str, name: str, increase: Counters, health: str, scraped: int, failed: int,
-               unaccounted: int = 0) -> None:
+               unaccounted: int = 0, tenants: Mapping[str, Counters] | None = None) -> None:
         for field, counter in self.totals.items():
             counter.labels(namespace, name).inc(getattr(increase, field))
+        for tenant, more in (tenants or {}).items():
+            self.seen_tenants.setdefault((namespace, name), set()).add(tenant)
+            for field, counter in self.tenants.items():
+                counter.labels(namespace, name, tenant).inc(getattr(more, field))
         if unaccounted:
             self.unaccounted.labels(namespace, name).inc(unaccounted)
         self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
@@ -52,6 +62,10 @@ class OperatorMetrics:
             self.scrape_failures.labels(namespace, name).inc(failed)
 
     def forget(self, namespace: str, name: str) -> None:
+        for tenant in self.seen_tenants.pop((namespace, name), set()):
+            for counter in self.tenants.values():
+                with contextlib.suppress(KeyError):
+                    counter.remove(namespace, name, tenant)
         for metric in (*self.totals.values(), self.unaccounted, self.healthy, self.pods_scraped, self.scrape_failures):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

@@ -54,6 +54,7 @@ class PodSample:
     completion_drift: float | None = None  # ours minus SGLang's, when SGLang's series are present
     started: float | None = None  # the counters' epoch: a new value means they began again from zero
     final: bool = False  # draining with nothing in flight: the pod's last counters
+    tenants: Mapping[str, Counters] = field(default_factory=dict)  # requests and tokens per tenant
 
 
 _COUNTER_NAMES = {
@@ -67,6 +68,12 @@ _COUNTER_NAMES = {
 
 
 _FINAL_GAUGES = {m.DRAINING, m.INFLIGHT_GENERATIONS, m.QUEUED_REQUESTS}
+_TENANT_NAMES = {
+    m.sample_name(m.TENANT_REQUESTS): "requests",
+    m.sample_name(m.TENANT_PROMPT_TOKENS): "prompt_tokens",
+    m.sample_name(m.TENANT_COMPLETION_TOKENS): "completion_tokens",
+    m.sample_name(m.TENANT_CACHED_TOKENS): "cached_tokens",
+}
 
 
 class MetricsParseError(ValueError):
@@ -80,6 +87,7 @@ def parse_sample(text: str) -> PodSample:
     drift: float | None = None
     started: float | None = None
     gauges: dict[str, float] = {}
+    tenants: dict[str, dict[str, float]] = {}
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -98,6 +106,9 @@ def parse_sample(text: str) -> PodSample:
                     started = sample.value
                 elif sample.name in _FINAL_GAUGES:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
+                elif sample.name in _TENANT_NAMES:
+                    tenant = tenants.setdefault(sample.labels.get("tenant", ""), {})
+                    tenant[_TENANT_NAMES[sample.name]] = sample.value
     except (ValueError, TypeError, KeyError) as err:
         raise MetricsParseError(f"not Prometheus text: {err}") from None
     if not seen:
@@ -105,16 +116,21 @@ def parse_sample(text: str) -> PodSample:
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
     final = gauges.get(m.DRAINING) == 1 and not gauges.get(m.INFLIGHT_GENERATIONS) \
         and not gauges.get(m.QUEUED_REQUESTS)
-    return PodSample(Counters(**values), mode, drift, started, final)
+    return PodSample(Counters(**values), mode, drift, started, final,
+                     {tenant: Counters(**counts) for tenant, counts in tenants.items()})
 
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """The last counters read from one pod, and under which epoch."""
+    """The last counters read from one pod, and under which epoch.
+
+    Per-tenant counters are kept in memory only (None after a restart: the next reading is their new
+    baseline), so the status stays small; the totals themselves are exact across restarts."""
 
     counters: Counters
     epoch: float | None
     final: bool = False
+    tenants: Mapping[str, Counters] | None = None
 
 
 @dataclass
@@ -132,6 +148,7 @@ class UsageState:
     drifts: dict[str, deque[float]] = field(default_factory=dict)
     good_streak: int = 0
     unhealthy: Verdict | None = None  # the last definite verdict, when False: True needs a clean streak
+    tenant_increase: dict[str, Counters] = field(default_factory=dict)  # the last round's, per tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +161,10 @@ class Round:
 def absorb(state: UsageState, round_: Round) -> Counters:
     """Add this round's increases to the totals; returns the round's increase."""
     increase = Counters()
+    state.tenant_increase = {}
     for uid, sample in round_.samples.items():
         before = state.readings.get(uid)
+        tenant_base = _tenant_base(before, sample, state.complete)
         if before is None:
             base = Counters() if state.complete else sample.counters  # new pod: all of it is new usage
         elif sample.started != before.epoch:
@@ -157,9 +176,12 @@ def absorb(state: UsageState, round_: Round) -> Counters:
         else:
             base = before.counters
         increase = increase.plus(sample.counters.increase_since(base))
+        for tenant, counters in sample.tenants.items():
+            more = counters.increase_since(tenant_base.get(tenant, Counters()))
+            state.tenant_increase[tenant] = state.tenant_increase.get(tenant, Counters()).plus(more)
         if sample.completion_drift is not None:
             state.drifts.setdefault(uid, deque(maxlen=WINDOW_ROUNDS)).append(sample.completion_drift)
-        state.readings[uid] = Reading(sample.counters, sample.started, sample.final)
+        state.readings[uid] = Reading(sample.counters, sample.started, sample.final, sample.tenants)
     present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
     for gone in set(state.readings) - present:
         if not state.readings.pop(gone).final:
@@ -169,6 +191,14 @@ def absorb(state: UsageState, round_: Round) -> Counters:
     state.totals = state.totals.plus(increase)
     state.window.append(increase)
     return increase
+
+
+def _tenant_base(before: Reading | None, sample: PodSample, complete: bool) -> Mapping[str, Counters]:
+    if before is None:
+        return {} if complete else sample.tenants
+    if sample.started != before.epoch:
+        return {}
+    return sample.tenants if before.tenants is None else before.tenants
 
 
 def scrape_targets(pods: Iterable[Mapping[str, Any]], readings: Mapping[str, Reading], port: int) -> dict[str, str]:

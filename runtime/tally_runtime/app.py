@@ -18,6 +18,7 @@ from tally_runtime.engine.base import Engine
 from tally_runtime.ledger import Journal, Totals
 from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError
+from tally_runtime.records import RecordSink
 from tally_runtime.routes import chat, completions, health, metrics, models
 from tally_runtime.routes.respond import error_response
 from tally_runtime.serving import Server
@@ -36,7 +37,9 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         journal = Journal(Path(settings.journal_path)) if settings.journal_path else None
         resumed = journal.load() if journal is not None else None
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
-                           totals=resumed or Totals())
+                           totals=resumed or Totals(), max_tenants=settings.max_tenants)
+        records = RecordSink(settings.usage_records, settings.usage_records_file) \
+            if settings.usage_records or settings.usage_records_file else None
         if resumed is not None:
             log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
                      sum(resumed.requests.values()))
@@ -45,8 +48,9 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         server = Server(
             engine, info, settings.served_model_name, metrics_, settings.max_concurrent_generations,
             force_include_usage=settings.force_include_usage, max_queued=settings.max_queued_requests,
-            max_queue_seconds=settings.max_queue_seconds, journal=journal,
+            max_queue_seconds=settings.max_queue_seconds, journal=journal, records=records,
         )
+        app.state.tenant_header = settings.tenant_header
         app.state.server = server
         app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit)
         if exit_now is not None:
@@ -57,6 +61,8 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
             yield
         finally:
             await engine.stop()
+            if records is not None:
+                records.close()
 
     app = FastAPI(title="Tally runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     for module in (completions, chat, models, health, metrics):

@@ -34,6 +34,9 @@ class Totals:
     mismatches: float = 0.0
     derived_requests: float = 0.0
     engine_side_prompt_tokens: float = 0.0
+    # tenant -> [requests, prompt, completion, cached tokens]; and requests booked to the "other" bucket
+    tenants: dict[str, list[float]] = field(default_factory=dict)
+    tenant_overflow: float = 0.0
 
     def to_json(self) -> bytes:
         return json.dumps({"version": VERSION, **{name: getattr(self, name) for name in self.__slots__}}).encode()
@@ -44,8 +47,8 @@ class Totals:
         if data.pop("version", None) != VERSION:
             raise ValueError("unknown journal version")
         totals = cls(**data)
-        if not isinstance(totals.requests, dict):
-            raise ValueError("requests must be an object")
+        if not isinstance(totals.requests, dict) or not isinstance(totals.tenants, dict):
+            raise ValueError("requests and tenants must be objects")
         return totals
 
 

@@ -27,6 +27,14 @@ DRAINING = f"{PREFIX}_draining"  # gauge: 1 once SIGTERM was received (a read wh
 # gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"
 
+# Per consumer (the tenant header or the OpenAI `user` field), at most --max-tenants label values
+TENANT_REQUESTS = f"{PREFIX}_tenant_requests"  # counter{tenant}: finished requests (as REQUESTS counts them)
+TENANT_PROMPT_TOKENS = f"{PREFIX}_tenant_prompt_tokens"  # counter{tenant}
+TENANT_COMPLETION_TOKENS = f"{PREFIX}_tenant_completion_tokens"  # counter{tenant}
+TENANT_CACHED_TOKENS = f"{PREFIX}_tenant_cached_tokens"  # counter{tenant}
+TENANT_OVERFLOW = f"{PREFIX}_tenant_overflow_requests"  # counter: requests booked to OTHER_TENANT
+OTHER_TENANT = "other"  # the bucket for tenants beyond the bound
+
 # SGLang's own counters (its multiprocess collector is served beside ours)
 SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens_total"
 SGLANG_GENERATION_TOKENS = "sglang:generation_tokens_total"

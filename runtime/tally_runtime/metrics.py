@@ -27,6 +27,7 @@ class Metrics:
     engine_offset: tuple[float, float] = (0.0, 0.0)
     # The usage counters as plain numbers (what the journal stores); given, the series continue from them.
     totals: Totals = field(default_factory=Totals)
+    max_tenants: int = 100  # tenant label values beyond this many go to the "other" bucket
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -60,6 +61,15 @@ class Metrics:
                            "as of the last moment no request was in flight", ["kind"], registry=r)
         self.start_time = Gauge(n.START_TIME, "When these usage counters began (unix seconds)", registry=r)
         self.draining = Gauge(n.DRAINING, "1 once the runtime is shutting down", registry=r)
+        self.tenant_series = (
+            Counter(n.TENANT_REQUESTS, "Finished requests per tenant", ["tenant"], registry=r),
+            Counter(n.TENANT_PROMPT_TOKENS, "Prompt tokens per tenant (engine-sourced)", ["tenant"], registry=r),
+            Counter(n.TENANT_COMPLETION_TOKENS, "Completion tokens per tenant (engine-sourced)", ["tenant"],
+                    registry=r),
+            Counter(n.TENANT_CACHED_TOKENS, "Cached prompt tokens per tenant", ["tenant"], registry=r),
+        )
+        self.tenant_overflow = Counter(n.TENANT_OVERFLOW, f"Requests of tenants beyond the first {self.max_tenants}, "
+                                       f"booked to tenant={n.OTHER_TENANT!r}", registry=r)
         for mode in n.STREAM_MODES:
             self.stream_mode.labels(mode).set(0)
         self._resume(self.totals)
@@ -73,9 +83,29 @@ class Metrics:
             self.requests.labels(*key.split("|", 2)).inc(count)
         for counter, value in ((self.prompt_tokens, t.prompt_tokens), (self.completion_tokens, t.completion_tokens),
                                (self.cached_tokens, t.cached_tokens), (self.mismatches, t.mismatches),
-                               (self.derived, t.derived_requests)):
+                               (self.derived, t.derived_requests), (self.tenant_overflow, t.tenant_overflow)):
             if value:
                 counter.inc(value)
+        for tenant, values in t.tenants.items():
+            for series, value in zip(self.tenant_series, values, strict=False):
+                series.labels(tenant).inc(value)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The tenant's own label while fewer than `max_tenants` were seen; the shared bucket beyond."""
+        if tenant in self.totals.tenants or len(self.totals.tenants) < self.max_tenants:
+            return tenant
+        return n.OTHER_TENANT
+
+    def record_tenant(self, tenant: str, usage: RequestUsage | None) -> None:
+        label = self.tenant_label(tenant)
+        if label != tenant:
+            self.tenant_overflow.inc()
+            self.totals.tenant_overflow += 1
+        values = self.totals.tenants.setdefault(label, [0.0, 0.0, 0.0, 0.0])
+        counts = (1, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens or 0) if usage else (1, 0, 0, 0)
+        for i, (series, count) in enumerate(zip(self.tenant_series, counts, strict=True)):
+            values[i] += count
+            series.labels(label).inc(count)
 
     def set_stream_mode(self, mode: str) -> None:
         for known in n.STREAM_MODES:

@@ -58,6 +58,7 @@ class Job:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    user: str | None = None  # the OpenAI `user` field: names the tenant when no tenant header does
 
     @property
     def generations(self) -> int:
@@ -166,5 +167,5 @@ class Preparer:
             endpoint=endpoint, header=header, prompts=prompts, prompt_texts=texts, n=req.n, sampling=sampling,
             echo=echo, stream=req.stream,
             include_usage=bool(options and options.include_usage) or self.force_include_usage,
-            continuous_usage=bool(options and options.continuous_usage_stats),
+            continuous_usage=bool(options and options.continuous_usage_stats), user=req.user,
         )

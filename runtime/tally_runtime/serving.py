@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -25,6 +26,7 @@ from tally_runtime.ledger import Journal
 from tally_runtime.metrics import Metrics
 from tally_runtime.prepare import Job, Preparer
 from tally_runtime.protocol import ApiError
+from tally_runtime.records import RecordSink, UsageRecord
 from tally_runtime.render import EventRenderer
 from tally_runtime.streaming import ChoiceResult
 from tally_runtime.usage import ChoiceUsage, RequestUsage, request_usage
@@ -47,9 +49,10 @@ class Server:
 
     def __init__(self, engine: Engine, info: EngineInfo, model: str, metrics: Metrics, limit: int,
                  force_include_usage: bool = False, max_queued: int = 256, max_queue_seconds: float = 60.0,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, records: RecordSink | None = None) -> None:
         self.engine = engine
         self.journal = journal
+        self.records = records
         self.info = info
         self.model = model
         self.metrics = metrics
@@ -57,23 +60,37 @@ class Server:
         self.admission = Admission(limit, max_queued, max_queue_seconds)
         self.draining = False
 
-    def reject(self, endpoint: str, error: ApiError) -> None:
+    def reject(self, endpoint: str, error: ApiError, tenant: str, job: Job | None = None) -> None:
         """Record a request refused before it started: once, with no usage."""
         outcome = names.OUTCOME_OVERLOADED if error.status == 503 else names.OUTCOME_INVALID
-        self.record(endpoint, outcome, "none")
+        self.abandon(endpoint, outcome, tenant, job)
 
-    def record(self, endpoint: str, outcome: str, finish_reason: str, usage: RequestUsage | None = None) -> None:
-        """Count one finished request (and its usage); the journal then holds it too."""
-        self.metrics.record_request(endpoint, outcome, finish_reason)
+    def abandon(self, endpoint: str, outcome: str, tenant: str, job: Job | None = None, started: float = 0.0) -> None:
+        """Record a request that ended before it ran (refused, or its client left while it waited)."""
+        now = time.time()
+        record = UsageRecord(
+            id=job.header.id if job else f"req-{uuid.uuid4().hex}", time=now, model=self.model, endpoint=endpoint,
+            tenant=tenant, outcome=outcome, finish_reasons=(None,) * (job.generations if job else 0),
+            n=job.generations if job else 0, stream=bool(job and job.stream), prompt_tokens=0, completion_tokens=0,
+            cached_tokens=0, reasoning_tokens=0, derived=False, time_to_first_token_seconds=None,
+            duration_seconds=max(0.0, time.monotonic() - started) if started else 0.0)
+        self.record(record, "none")
+
+    def record(self, record: UsageRecord, finish_reason: str, usage: RequestUsage | None = None) -> None:
+        """Count one finished request: the metrics, the journal and the usage record, from the same numbers."""
+        self.metrics.record_request(record.endpoint, record.outcome, finish_reason)
         if usage is not None:
             self.metrics.record_usage(usage)
+        self.metrics.record_tenant(record.tenant, usage)
         if self.journal is not None:
             self.journal.write(self.metrics.totals)
+        if self.records is not None:
+            self.records.write(record)
 
-    async def start(self, job: Job) -> Run:
+    async def start(self, job: Job, tenant: str) -> Run:
         """Admit the job and prime its first delta, so engine refusals still become HTTP errors."""
         await self._admit(job)
-        run = Run(self, job)
+        run = Run(self, job, tenant)
         try:
             await run.prime()
         except BaseException:
@@ -108,12 +125,14 @@ Batch = list[tuple[int, Delta]]
 class Run:
     """One admitted job in flight: merges its choices' deltas and keeps its own accounts."""
 
-    def __init__(self, server: Server, job: Job) -> None:
+    def __init__(self, server: Server, job: Job, tenant: str) -> None:
         self.server = server
         self.job = job
+        self.tenant = tenant
         self.usage = [ChoiceUsage(i, i // job.n, len(job.prompts[i // job.n])) for i in range(job.generations)]
         self.started = time.monotonic()
         self.first_token_seen = False
+        self.time_to_first_token: float | None = None
         self.last_token_at: dict[int, float] = {}  # per choice: inter-token latency is per choice
         self.first: Batch | None = None
         self.events: AsyncIterator[Batch] = merge_choices(server.engine, job.requests())
@@ -167,7 +186,8 @@ class Run:
         metrics = self.server.metrics
         if not self.first_token_seen:
             self.first_token_seen = True
-            metrics.ttft.observe(now - self.started)
+            self.time_to_first_token = now - self.started
+            metrics.ttft.observe(self.time_to_first_token)
         for index, count in tokens.items():
             previous = self.last_token_at.get(index)
             if previous is not None:
@@ -187,8 +207,19 @@ class Run:
             server = self.server
             server.release(self.job)
             if not refused:
-                server.record(self.job.endpoint.name, self.outcome, self.finish_reason, request_usage(self.usage))
-                server.metrics.e2e.observe(time.monotonic() - self.started)
+                duration = time.monotonic() - self.started
+                usage = request_usage(self.usage)
+                server.record(self.usage_record(usage, duration), self.finish_reason, usage)
+                server.metrics.e2e.observe(duration)
+
+    def usage_record(self, usage: RequestUsage, duration: float) -> UsageRecord:
+        job = self.job
+        return UsageRecord(
+            id=job.header.id, time=time.time(), model=job.header.model, endpoint=job.endpoint.name, tenant=self.tenant,
+            outcome=self.outcome, finish_reasons=tuple(c.finish_reason for c in self.usage), n=job.generations,
+            stream=job.stream, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens or 0, reasoning_tokens=usage.reasoning_tokens or 0,
+            derived=usage.derived, time_to_first_token_seconds=self.time_to_first_token, duration_seconds=duration)
 
     # ---- the two response forms
 

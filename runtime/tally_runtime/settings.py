@@ -25,6 +25,10 @@ class Settings:
     drain_seconds: float = 300.0
     final_read_seconds: float = 0.0
     journal_path: str = ""  # empty: no journal
+    usage_records: bool = True  # one JSON line per request on stdout
+    usage_records_file: str = ""
+    tenant_header: str = "X-Tally-Tenant"
+    max_tenants: int = 100
     force_include_usage: bool = False
     allow_cumulative_stream: bool = False
     cpu_threads: int = 0  # 0: all cores
@@ -51,6 +55,11 @@ _HELP: dict[str, str] = {
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
     "final_read_seconds": "on SIGTERM, once drained, how long to wait for /metrics to be read once more "
     "(the operator books the final counters); 0 exits at once",
+    "usage_records": "write one JSON usage record per request to standard output (logs go to standard error)",
+    "usage_records_file": "also append the usage records to this file",
+    "tenant_header": "request header that names the consumer (set by your gateway); it wins over the OpenAI "
+    "'user' field; empty: only 'user'",
+    "max_tenants": "tenants with their own label in /metrics; requests of later ones are counted as 'other'",
     "journal_path": "file that keeps the usage counters across restarts of this process (on a volume that "
     "outlives the container); empty: counters start from zero with every process",
     "force_include_usage": "send the final usage chunk on every stream, asked for or not",
@@ -122,6 +131,8 @@ def validate(settings: Settings) -> str:
         return f"--context-length must be at least 16, not {settings.context_length}"
     if settings.max_concurrent_generations < 1:
         return "--max-concurrent-generations must be at least 1"
+    if settings.max_tenants < 1:
+        return "--max-tenants must be at least 1"
     if settings.max_queued_requests < 0:
         return "--max-queued-requests must be 0 (no queue) or more"
     for name in ("max_queue_seconds", "drain_seconds", "final_read_seconds"):

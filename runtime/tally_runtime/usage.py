@@ -33,7 +33,7 @@ class ChoiceUsage:
     reasoning_tokens: int | None = None
     ids_streamed: int = 0
     ids_dropped: int = 0  # ids the engine counted but never sent (SGLang <= 0.5.9 under backlog)
-    finished: bool = False
+    finish_reason: str | None = None
 
     def observe(self, delta: Delta) -> None:
         """Keep the last value the engine reported for each count (an abort item may lack some)."""
@@ -48,11 +48,11 @@ class ChoiceUsage:
         if delta.reasoning_tokens is not None:
             self.reasoning_tokens = delta.reasoning_tokens
         if delta.finish_reason is not None:
-            self.finished = True
+            self.finish_reason = str(delta.finish_reason)
 
     @property
     def derived(self) -> bool:
-        return self.engine_completion_tokens is None and (self.finished or self.ids_streamed > 0)
+        return self.engine_completion_tokens is None and (self.finish_reason is not None or self.ids_streamed > 0)
 
     @property
     def mismatched(self) -> bool:

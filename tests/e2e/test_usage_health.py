@@ -32,13 +32,17 @@ def test_status_usage_is_exactly_what_clients_received(operator: OperatorProcess
     kube.apply(service())
     pods = serving_pods(kube, 2)
     eventually(lambda: usage_condition(kube).get("status") == "True", 60, what="UsageHealthy=True")
-    sent = [complete(p["status"]["podIP"], stream=i % 2 == 0) for i, p in enumerate(pods * 2)]
+    tenants = ["team-a", "team-b", "team-a", "team-a"]
+    sent = [complete(p["status"]["podIP"], stream=i % 2 == 0, tenant=tenants[i]) for i, p in enumerate(pods * 2)]
     usage = eventually(lambda: totals_match(kube, sent), 30, what="status.usage == client usage")
     assert usage["mismatches"] == 0 and usage["streamMode"] == "incremental" and usage["podsScraped"] == 2
     text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics").text
     labels = {"namespace": namespace, "name": "smollm"}
     assert metric_value(text, "tally_service_completion_tokens_total", labels) == usage["completionTokens"]
     assert metric_value(text, "tally_service_usage_healthy", labels) == 1
+    for tenant in ("team-a", "team-b"):  # the operator's series carry the tenant too
+        assert metric_value(text, "tally_service_tenant_completion_tokens_total", {**labels, "tenant": tenant}) == \
+            sum(u["completion"] for u, t in zip(sent, tenants, strict=True) if t == tenant)
 
     # a runtime crashes and restarts with its counters at zero: no negative and no lost usage
     victim = pods[0]

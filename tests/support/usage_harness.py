@@ -49,8 +49,10 @@ def healthy(ip: str) -> bool:
         return False
 
 
-def complete(ip: str, stream: bool, prompt: str = "Tell me a joke", max_tokens: int = 6) -> dict[str, int]:
-    client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0)
+def complete(ip: str, stream: bool, prompt: str = "Tell me a joke", max_tokens: int = 6,
+             tenant: str | None = None) -> dict[str, int]:
+    client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0,
+                           default_headers={"X-Tally-Tenant": tenant} if tenant else None)
     if not stream:
         reply = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens)
         assert reply.usage is not None

@@ -265,3 +265,37 @@ def test_a_draining_idle_runtime_reports_final_counters() -> None:
     assert parse_sample(base % ("1.0", "0.0")).final
     assert not parse_sample(base % ("1.0", "2.0")).final  # still finishing streams
     assert not parse_sample(base % ("0.0", "0.0")).final
+
+
+def with_tenants(completion: float, **tenants: float) -> PodSample:
+    return PodSample(Counters(completion_tokens=completion), "incremental", None, 1.0, False,
+                     {t: Counters(requests=1, completion_tokens=v) for t, v in tenants.items()})
+
+
+def test_per_tenant_increases_follow_each_pod() -> None:
+    state = UsageState()
+    absorb(state, Round({"a": with_tenants(10, alpha=10), "b": with_tenants(5, beta=5)}))
+    assert {t: c.completion_tokens for t, c in state.tenant_increase.items()} == {"alpha": 10, "beta": 5}
+    absorb(state, Round({"a": with_tenants(18, alpha=12, beta=6), "b": with_tenants(5, beta=5)}))
+    assert {t: c.completion_tokens for t, c in state.tenant_increase.items()} == {"alpha": 2, "beta": 6}
+
+
+def test_after_an_operator_restart_tenant_counters_take_a_new_baseline() -> None:
+    before = UsageState()
+    absorb(before, Round({"a": with_tenants(10, alpha=10)}))
+    after = state_from_status(usage_status(before, Round({}), "t"))
+    absorb(after, Round({"a": with_tenants(14, alpha=14)}))
+    assert after.totals.completion_tokens == 14  # the totals are exact across the restart
+    assert after.tenant_increase["alpha"].completion_tokens == 0  # the per-tenant series re-baseline
+
+
+def test_tenant_counters_are_parsed_per_label() -> None:
+    text = ("# TYPE tally_requests counter\n"
+            "tally_requests_total{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"} 3\n"
+            "# TYPE tally_tenant_completion_tokens counter\n"
+            "tally_tenant_completion_tokens_total{tenant=\"team-a\"} 40\n"
+            "tally_tenant_completion_tokens_total{tenant=\"other\"} 2\n"
+            "# TYPE tally_tenant_requests counter\ntally_tenant_requests_total{tenant=\"team-a\"} 3\n")
+    tenants = parse_sample(text).tenants
+    assert tenants["team-a"] == Counters(requests=3, completion_tokens=40)
+    assert tenants["other"].completion_tokens == 2

@@ -101,7 +101,7 @@ def counter(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -
 async def stream(srv: Server, body: dict[str, Any], chat: bool = False, take: int | None = None) -> list[Any]:
     job = srv.prepare.chat(ChatCompletionRequest(**body)) if chat else srv.prepare.completion(
         CompletionRequest(**body))
-    run = await srv.start(job)
+    run = await srv.start(job, "t")
     out: list[bytes] = []
     body_iter = run.stream()
     async for chunk in body_iter:
@@ -172,8 +172,8 @@ def test_a_refusal_before_the_first_token_is_recorded_once_and_unbilled(error: E
     async def scenario() -> ApiError:
         job = srv.prepare.completion(CompletionRequest(**STREAM))
         with pytest.raises(ApiError) as caught:
-            await srv.start(job)
-        srv.reject("completions", caught.value)  # what the route does with it
+            await srv.start(job, "t")
+        srv.reject("completions", caught.value, "t", job)  # what the route does with it
         return caught.value
 
     refused = asyncio.run(scenario())
@@ -209,5 +209,5 @@ def test_a_draining_server_refuses_new_requests_with_retry_after() -> None:
     srv = server(Script({0: tokens(1)}))
     srv.draining = True
     with pytest.raises(ApiError) as caught:
-        asyncio.run(srv.start(srv.prepare.completion(CompletionRequest(**STREAM))))
+        asyncio.run(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
     assert caught.value.status == 503 and caught.value.headers["Retry-After"]

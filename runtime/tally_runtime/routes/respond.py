@@ -6,6 +6,7 @@ client leaves: a request waiting in the admission queue or in prefill is dropped
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from tally_runtime import metric_names as names
 from tally_runtime import sse
 from tally_runtime.prepare import Endpoint, Job
 from tally_runtime.protocol import ApiError
+from tally_runtime.records import tenant_of
 from tally_runtime.serving import Server
 
 T = TypeVar("T")
@@ -34,14 +36,19 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
 
 async def respond(request: Request, server: Server, endpoint: Endpoint,
                   prepare: Callable[[], Awaitable[Job]]) -> Response:
+    header = request.headers.get(request.app.state.tenant_header) if request.app.state.tenant_header else None
+    job: Job | None = None
+    started = time.monotonic()
     try:
         job = await prepare()
-        run = await until_disconnected(request, server.start(job))
+        tenant = tenant_of(header, job.user)
+        run = await until_disconnected(request, server.start(job, tenant))
     except ApiError as error:
-        server.reject(endpoint.name, error)
+        server.reject(endpoint.name, error, tenant_of(header, job.user if job else None), job)
         return error_response(error)
     except ClientGone:  # left while queued or in prefill: nothing was generated for it
-        server.record(endpoint.name, names.OUTCOME_ABORTED, "none")
+        assert job is not None
+        server.abandon(endpoint.name, names.OUTCOME_ABORTED, tenant, job, started)
         return Response(status_code=CLIENT_CLOSED)
     if job.stream:
         return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)
