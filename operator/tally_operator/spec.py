@@ -10,11 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tally_runtime.engine.sglang_compat import CLI_FLAGS, OWNED_ARGS
-
-# Arguments the operator sets itself (DESIGN.md: owned flags cannot be overridden): the runtime's own
-# list, plus the streaming switch, which the operator always leaves on.
-OWNED_ENGINE_ARGS = OWNED_ARGS | frozenset(CLI_FLAGS.values())
+from tally_runtime.contract import OWNED_ENGINE_ARGS
 
 
 class SpecError(ValueError):

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tally_operator import constants as c
 from tally_operator.conditions import Verdict
-from tally_runtime import metric_names as m
+from tally_runtime import contract
 
 WINDOW_ROUNDS = 10
 HEALTHY_STREAK = 2
@@ -58,22 +58,25 @@ class PodSample:
 
 
 _COUNTER_NAMES = {
-    m.sample_name(m.REQUESTS): "requests",
-    m.sample_name(m.PROMPT_TOKENS): "prompt_tokens",
-    m.sample_name(m.COMPLETION_TOKENS): "completion_tokens",
-    m.sample_name(m.CACHED_TOKENS): "cached_tokens",
-    m.sample_name(m.USAGE_MISMATCHES): "mismatches",
-    m.sample_name(m.DERIVED_USAGE_REQUESTS): "derived_requests",
+    contract.sample_name(contract.REQUESTS): "requests",
+    contract.sample_name(contract.PROMPT_TOKENS): "prompt_tokens",
+    contract.sample_name(contract.COMPLETION_TOKENS): "completion_tokens",
+    contract.sample_name(contract.CACHED_TOKENS): "cached_tokens",
+    contract.sample_name(contract.USAGE_MISMATCHES): "mismatches",
+    contract.sample_name(contract.DERIVED_USAGE_REQUESTS): "derived_requests",
 }
 
 
-_FINAL_GAUGES = {m.DRAINING, m.INFLIGHT_GENERATIONS, m.QUEUED_REQUESTS}
+_FINAL_GAUGES = {contract.DRAINING, contract.INFLIGHT_GENERATIONS, contract.QUEUED_REQUESTS}
 _TENANT_NAMES = {
-    m.sample_name(m.TENANT_REQUESTS): "requests",
-    m.sample_name(m.TENANT_PROMPT_TOKENS): "prompt_tokens",
-    m.sample_name(m.TENANT_COMPLETION_TOKENS): "completion_tokens",
-    m.sample_name(m.TENANT_CACHED_TOKENS): "cached_tokens",
+    contract.sample_name(contract.TENANT_REQUESTS): "requests",
+    contract.sample_name(contract.TENANT_PROMPT_TOKENS): "prompt_tokens",
+    contract.sample_name(contract.TENANT_COMPLETION_TOKENS): "completion_tokens",
+    contract.sample_name(contract.TENANT_CACHED_TOKENS): "cached_tokens",
 }
+
+
+_REFUSED = {contract.OUTCOME_INVALID, contract.OUTCOME_OVERLOADED}  # never started: not finished requests
 
 
 class MetricsParseError(ValueError):
@@ -93,16 +96,16 @@ def parse_sample(text: str) -> PodSample:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name = _COUNTER_NAMES.get(sample.name)
-                if name == "requests" and sample.labels.get("outcome") in {m.OUTCOME_INVALID, m.OUTCOME_OVERLOADED}:
+                if name == "requests" and sample.labels.get("outcome") in _REFUSED:
                     continue
                 if name is not None:
                     values[name] += sample.value
                     seen = True
-                elif sample.name == m.STREAM_MODE:
+                elif sample.name == contract.STREAM_MODE:
                     modes[sample.labels.get("mode", "")] = sample.value
-                elif sample.name == m.ENGINE_USAGE_DRIFT and sample.labels.get("kind") == "completion":
+                elif sample.name == contract.ENGINE_USAGE_DRIFT and sample.labels.get("kind") == "completion":
                     drift = sample.value
-                elif sample.name == m.START_TIME:
+                elif sample.name == contract.START_TIME:
                     started = sample.value
                 elif sample.name in _FINAL_GAUGES:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
@@ -114,8 +117,8 @@ def parse_sample(text: str) -> PodSample:
     if not seen:
         raise MetricsParseError("no Tally usage series in the response")
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
-    final = gauges.get(m.DRAINING) == 1 and not gauges.get(m.INFLIGHT_GENERATIONS) \
-        and not gauges.get(m.QUEUED_REQUESTS)
+    final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
+        and not gauges.get(contract.QUEUED_REQUESTS)
     return PodSample(Counters(**values), mode, drift, started, final,
                      {tenant: Counters(**counts) for tenant, counts in tenants.items()})
 

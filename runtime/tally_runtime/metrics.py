@@ -12,7 +12,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from tally_runtime import metric_names as n
+from tally_runtime import contract
 from tally_runtime.ledger import Totals, request_key
 from tally_runtime.usage import RequestUsage
 
@@ -32,45 +32,47 @@ class Metrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.requests = Counter(
-            n.REQUESTS, "Requests by endpoint, outcome and finish reason",
+            contract.REQUESTS, "Requests by endpoint, outcome and finish reason",
             ["endpoint", "outcome", "finish_reason"], registry=r,
         )
-        self.prompt_tokens = Counter(n.PROMPT_TOKENS, "Prompt tokens, as the engine counted them", registry=r)
+        self.prompt_tokens = Counter(contract.PROMPT_TOKENS, "Prompt tokens, as the engine counted them", registry=r)
         self.completion_tokens = Counter(
-            n.COMPLETION_TOKENS, "Completion tokens, as the engine counted them", registry=r
+            contract.COMPLETION_TOKENS, "Completion tokens, as the engine counted them", registry=r
         )
-        self.cached_tokens = Counter(n.CACHED_TOKENS, "Prompt tokens served from the prefix cache", registry=r)
+        self.cached_tokens = Counter(contract.CACHED_TOKENS, "Prompt tokens served from the prefix cache", registry=r)
         self.mismatches = Counter(
-            n.USAGE_MISMATCHES, "Choices whose engine completion count differs from the ids streamed", registry=r
+            contract.USAGE_MISMATCHES, "Choices whose engine completion count differs from the ids streamed", registry=r
         )
-        self.derived = Counter(
-            n.DERIVED_USAGE_REQUESTS, "Requests whose usage was counted by us: the engine reported none", registry=r
-        )
-        self.stream_mode = Gauge(n.STREAM_MODE, "1 for the engine's stream mode in force", ["mode"], registry=r)
-        self.inflight = Gauge(n.INFLIGHT_GENERATIONS, "Generations running in the engine", registry=r)
-        self.queued = Gauge(n.QUEUED_REQUESTS, "Requests waiting for admission", registry=r)
-        self.queue_time = Histogram(n.QUEUE_TIME, "Time admitted requests waited in the queue",
+        self.derived = Counter(contract.DERIVED_USAGE_REQUESTS,
+                               "Requests whose usage was counted by us: the engine reported none", registry=r)
+        self.stream_mode = Gauge(contract.STREAM_MODE, "1 for the engine's stream mode in force", ["mode"], registry=r)
+        self.inflight = Gauge(contract.INFLIGHT_GENERATIONS, "Generations running in the engine", registry=r)
+        self.queued = Gauge(contract.QUEUED_REQUESTS, "Requests waiting for admission", registry=r)
+        self.queue_time = Histogram(contract.QUEUE_TIME, "Time admitted requests waited in the queue",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram(n.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(contract.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = TokenHistogram(
-            n.INTER_TOKEN_LATENCY, "Latency per generated token after the first", TOKEN_BUCKETS, registry=r
+            contract.INTER_TOKEN_LATENCY, "Latency per generated token after the first", TOKEN_BUCKETS, registry=r
         )
-        self.e2e = Histogram(n.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.engine_healthy = Gauge(n.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
-        self.drift = Gauge(n.ENGINE_USAGE_DRIFT, "Engine-sourced totals we counted minus SGLang's own counters, "
+        self.e2e = Histogram(contract.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_healthy = Gauge(contract.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
+        self.drift = Gauge(contract.ENGINE_USAGE_DRIFT,
+                           "Engine-sourced totals we counted minus SGLang's own counters, "
                            "as of the last moment no request was in flight", ["kind"], registry=r)
-        self.start_time = Gauge(n.START_TIME, "When these usage counters began (unix seconds)", registry=r)
-        self.draining = Gauge(n.DRAINING, "1 once the runtime is shutting down", registry=r)
+        self.start_time = Gauge(contract.START_TIME, "When these usage counters began (unix seconds)", registry=r)
+        self.draining = Gauge(contract.DRAINING, "1 once the runtime is shutting down", registry=r)
         self.tenant_series = (
-            Counter(n.TENANT_REQUESTS, "Finished requests per tenant", ["tenant"], registry=r),
-            Counter(n.TENANT_PROMPT_TOKENS, "Prompt tokens per tenant (engine-sourced)", ["tenant"], registry=r),
-            Counter(n.TENANT_COMPLETION_TOKENS, "Completion tokens per tenant (engine-sourced)", ["tenant"],
+            Counter(contract.TENANT_REQUESTS, "Finished requests per tenant", ["tenant"], registry=r),
+            Counter(contract.TENANT_PROMPT_TOKENS, "Prompt tokens per tenant (engine-sourced)", ["tenant"], registry=r),
+            Counter(contract.TENANT_COMPLETION_TOKENS, "Completion tokens per tenant (engine-sourced)", ["tenant"],
                     registry=r),
-            Counter(n.TENANT_CACHED_TOKENS, "Cached prompt tokens per tenant", ["tenant"], registry=r),
+            Counter(contract.TENANT_CACHED_TOKENS, "Cached prompt tokens per tenant", ["tenant"], registry=r),
         )
-        self.tenant_overflow = Counter(n.TENANT_OVERFLOW, f"Requests of tenants beyond the first {self.max_tenants}, "
-                                       f"booked to tenant={n.OTHER_TENANT!r}", registry=r)
-        for mode in n.STREAM_MODES:
+        self.tenant_overflow = Counter(
+            contract.TENANT_OVERFLOW,
+            f"Requests of tenants beyond the first {self.max_tenants}, booked to tenant={contract.OTHER_TENANT!r}",
+            registry=r)
+        for mode in contract.STREAM_MODES:
             self.stream_mode.labels(mode).set(0)
         self._resume(self.totals)
 
@@ -94,7 +96,7 @@ class Metrics:
         """The tenant's own label while fewer than `max_tenants` were seen; the shared bucket beyond."""
         if tenant in self.totals.tenants or len(self.totals.tenants) < self.max_tenants:
             return tenant
-        return n.OTHER_TENANT
+        return contract.OTHER_TENANT
 
     def record_tenant(self, tenant: str, usage: RequestUsage | None) -> None:
         label = self.tenant_label(tenant)
@@ -108,7 +110,7 @@ class Metrics:
             series.labels(label).inc(count)
 
     def set_stream_mode(self, mode: str) -> None:
-        for known in n.STREAM_MODES:
+        for known in contract.STREAM_MODES:
             self.stream_mode.labels(known).set(1 if known == mode else 0)
 
     def record_request(self, endpoint: str, outcome: str, finish_reason: str) -> None:
@@ -145,12 +147,12 @@ class Metrics:
         response is done. Between those moments the two disagree by design, so the drift is taken only
         when no request is in flight (`settled`) and otherwise keeps its last settled value."""
         theirs = engine_totals(engine_text.decode()) if engine_text and settled else {}
-        if n.SGLANG_PROMPT_TOKENS in theirs:  # no drift is reported without SGLang's counters to compare with
-            their_prompt = theirs[n.SGLANG_PROMPT_TOKENS] - self.engine_offset[0]
+        if contract.SGLANG_PROMPT_TOKENS in theirs:  # no drift is reported without SGLang's counters to compare with
+            their_prompt = theirs[contract.SGLANG_PROMPT_TOKENS] - self.engine_offset[0]
             ours = self.totals.engine_side_prompt_tokens - self._process_base[0]
             self.drift.labels("prompt").set(ours - their_prompt)
-        if n.SGLANG_GENERATION_TOKENS in theirs:
-            their_completion = theirs[n.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
+        if contract.SGLANG_GENERATION_TOKENS in theirs:
+            their_completion = theirs[contract.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
             ours = self.totals.completion_tokens - self._process_base[1]
             self.drift.labels("completion").set(ours - their_completion)
         return generate_latest(self.registry) + engine_text
@@ -192,7 +194,7 @@ def engine_totals(text: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (n.SGLANG_PROMPT_TOKENS, n.SGLANG_GENERATION_TOKENS):
+            if sample.name in (contract.SGLANG_PROMPT_TOKENS, contract.SGLANG_GENERATION_TOKENS):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 

@@ -17,8 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
-from tally_runtime import metric_names as names
-from tally_runtime import sse
+from tally_runtime import contract, sse
 from tally_runtime.admission import Admission, QueueFull
 from tally_runtime.engine.base import Delta, Engine, EngineError, EngineInfo, FinishReason, InvalidRequestError
 from tally_runtime.fanin import merge_choices
@@ -62,7 +61,7 @@ class Server:
 
     def reject(self, endpoint: str, error: ApiError, tenant: str, job: Job | None = None) -> None:
         """Record a request refused before it started: once, with no usage."""
-        outcome = names.OUTCOME_OVERLOADED if error.status == 503 else names.OUTCOME_INVALID
+        outcome = contract.OUTCOME_OVERLOADED if error.status == 503 else contract.OUTCOME_INVALID
         self.abandon(endpoint, outcome, tenant, job)
 
     def abandon(self, endpoint: str, outcome: str, tenant: str, job: Job | None = None, started: float = 0.0) -> None:
@@ -136,7 +135,7 @@ class Run:
         self.last_token_at: dict[int, float] = {}  # per choice: inter-token latency is per choice
         self.first: Batch | None = None
         self.events: AsyncIterator[Batch] = merge_choices(server.engine, job.requests())
-        self.outcome = names.OUTCOME_ABORTED
+        self.outcome = contract.OUTCOME_ABORTED
         self.finish_reason = "none"
         self.closed = False
 
@@ -238,15 +237,15 @@ class Run:
                     raise failure
             if job.include_usage:
                 yield sse.event(render.chunks.usage(request_usage(self.usage).as_openai()))
-            self.outcome = names.OUTCOME_OK
+            self.outcome = contract.OUTCOME_OK
             yield sse.DONE
         except EngineError as err:
-            self.outcome = names.OUTCOME_ERROR
+            self.outcome = contract.OUTCOME_ERROR
             log.warning("Generation %s failed mid-stream: %s", job.header.id, err.message)
             yield sse.error_event(err.message, code=err.status_code)
             yield sse.DONE
         except Exception:
-            self.outcome = names.OUTCOME_ERROR
+            self.outcome = contract.OUTCOME_ERROR
             log.exception("Generation %s failed mid-stream", job.header.id)
             yield sse.error_event("Internal error while generating")
             yield sse.DONE
@@ -270,14 +269,14 @@ class Run:
                 failure = self.account(batch, keep)
                 if failure is not None:
                     raise failure
-            self.outcome = names.OUTCOME_OK
+            self.outcome = contract.OUTCOME_OK
         except EngineError as err:
-            self.outcome = names.OUTCOME_ERROR
+            self.outcome = contract.OUTCOME_ERROR
             raise api_error(err) from None
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception:
-            self.outcome = names.OUTCOME_ERROR
+            self.outcome = contract.OUTCOME_ERROR
             log.exception("Generation %s failed", job.header.id)
             raise ApiError(500, "Internal error while generating") from None
         finally:

@@ -62,8 +62,6 @@ def test_service_and_pdb() -> None:
 
 @pytest.mark.parametrize(("raw", "reason"), [
     pytest.param({**SGLANG, "engine": {"kind": "sglang", "args": ["--port=9"]}}, "OwnedEngineArgument", id="owned"),
-    pytest.param({**SGLANG, "engine": {"kind": "sglang", "args": ["--stream-output"]}}, "OwnedEngineArgument",
-                 id="streaming-switch-is-ours"),
     pytest.param({**SGLANG, "resources": {"gpus": 3}}, "GPUsNotDivisible", id="tp"),
     pytest.param({"model": {"name": "m"}, "engine": {"kind": "sglang"}}, "InvalidSpec", id="sglang-needs-path"),
     pytest.param({"model": {}}, "InvalidSpec", id="no-name"),
@@ -86,3 +84,11 @@ def test_pods_keep_their_counters_on_a_volume_and_get_time_to_drain() -> None:
     final_read = int(args[args.index("--final-read-seconds") + 1])
     assert final_read >= 2 * 10  # the operator gets two scrape rounds to read the final counters
     assert pod["terminationGracePeriodSeconds"] > 120 + final_read  # the kubelet never kills a drain short
+
+
+@pytest.mark.parametrize("flag", ["--stream-output", "--incremental-streaming-output"])
+def test_the_streaming_switch_in_engine_args_is_accepted_as_the_runtime_accepts_it(flag: str) -> None:
+    """One rule on both sides: Tally always turns incremental streaming on, so the flag is redundant."""
+    spec = parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": [flag, "--stream-interval", "2"]}})
+    assert f"--engine-args={flag} --stream-interval 2" in runtime_args(spec)
+

@@ -20,19 +20,11 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from tally_runtime.contract import OWNED_ENGINE_ARGS, STREAMING_FLAGS
 from tally_runtime.engine.sglang_stream import StreamShape
 
 INCREMENTAL_FIELD = "incremental_streaming_output"
 LEGACY_FIELD = "stream_output"
-CLI_FLAGS = {INCREMENTAL_FIELD: "--incremental-streaming-output", LEGACY_FIELD: "--stream-output"}
-
-# Arguments Tally sets itself; passing them through --engine-args would contradict the runtime.
-OWNED_ARGS = frozenset({
-    "--model-path", "--model", "--tokenizer-path", "--served-model-name", "--host", "--port",
-    "--skip-tokenizer-init", "--context-length", "--tp-size", "--tensor-parallel-size", "--dp-size",
-    "--data-parallel-size", "--enable-metrics", "--enable-cache-report", "--trust-remote-code",
-    "--mem-fraction-static", "--max-running-requests",
-})
 
 
 class Generation(enum.StrEnum):
@@ -94,10 +86,10 @@ def split_engine_args(args: Sequence[str]) -> tuple[str, ...]:
     rest: list[str] = []
     for arg in args:
         name = arg.split("=", 1)[0]
-        if name in OWNED_ARGS:
+        if name in OWNED_ENGINE_ARGS:
             raise ValueError(f"{name} is set by Tally and cannot be passed through engine args; "
                              "use the runtime's own flag or the CompletionService spec instead")
-        if name not in CLI_FLAGS.values():
+        if name not in STREAMING_FLAGS:
             rest.append(arg)
     return tuple(rest)
 

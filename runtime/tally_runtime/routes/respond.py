@@ -14,8 +14,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tally_runtime import metric_names as names
-from tally_runtime import sse
+from tally_runtime import contract, sse
 from tally_runtime.prepare import Endpoint, Job
 from tally_runtime.protocol import ApiError
 from tally_runtime.records import tenant_of
@@ -48,7 +47,7 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         return error_response(error)
     except ClientGone:  # left while queued or in prefill: nothing was generated for it
         assert job is not None
-        server.abandon(endpoint.name, names.OUTCOME_ABORTED, tenant, job, started)
+        server.abandon(endpoint.name, contract.OUTCOME_ABORTED, tenant, job, started)
         return Response(status_code=CLIENT_CLOSED)
     if job.stream:
         return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)

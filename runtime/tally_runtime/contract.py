@@ -1,7 +1,9 @@
-"""Usage-health metric names: the contract between the runtime (exports) and the operator (scrapes).
+"""The contract between the runtime and the operator: metric names, label values, engine arguments.
 
-Imports nothing, so the operator can depend on it without the runtime's dependencies.
-Counters are exposed with Prometheus' `_total` suffix on the wire.
+The runtime exports these series and the operator scrapes them; the runtime sets these SGLang arguments
+itself and both refuse them in pass-through engine args. Imports nothing, so the operator depends on it
+without any of the runtime's dependencies (a test imports the operator with the runtime's engines
+blocked). Counters are exposed with Prometheus' `_total` suffix on the wire.
 """
 
 PREFIX = "tally"
@@ -52,3 +54,19 @@ STREAM_MODES = ("incremental", "cumulative")
 def sample_name(counter: str) -> str:
     """The name a counter's sample carries in the text exposition."""
     return f"{counter}_total"
+
+
+# ---- SGLang arguments
+
+# Incremental streaming, under each generation's name. The runtime always turns it on itself (as a
+# constructor argument); in pass-through args either flag is redundant and is dropped, not refused.
+STREAMING_FLAGS = frozenset({"--incremental-streaming-output", "--stream-output"})
+
+# Arguments Tally sets itself; passing them through engine args would contradict the runtime (refused).
+OWNED_ENGINE_ARGS = frozenset({
+    "--model-path", "--model", "--tokenizer-path", "--served-model-name", "--host", "--port",
+    "--skip-tokenizer-init", "--context-length", "--tp-size", "--tensor-parallel-size", "--dp-size",
+    "--data-parallel-size", "--enable-metrics", "--enable-cache-report", "--trust-remote-code",
+    "--mem-fraction-static", "--max-running-requests",
+})
+
