@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from tally_runtime.engine.base import Delta, EngineInfo, FinishReason, GenerationRequest, Health, SamplingParams
+from tally_runtime.engine.base import Delta, EngineInfo, EngineMetrics, FinishReason, GenerationRequest, Health, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,9 @@ class FastEngine:
 
     def health(self) -> Any:
         return Health(True)
+
+    def own_metrics(self) -> Any:
+        return EngineMetrics()
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [1] * max(1, len(text.split()))

@@ -83,8 +83,8 @@ def main() -> None:
     sglang.configure(version="0.5.23", coalesce=(1, 4, 2, 3))
     settings = Settings(engine="sglang", model_path="/models/fake", max_concurrent_generations=args.streams + 16)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, SGLangEngine(settings)), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    app = create_app(settings, SGLangEngine(settings.engine_config()))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

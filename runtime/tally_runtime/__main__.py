@@ -18,11 +18,11 @@ def build_engine(settings: Settings) -> Engine:
     if settings.engine == "sglang":
         from tally_runtime.engine.sglang import SGLangEngine
 
-        return SGLangEngine(settings)
+        return SGLangEngine(settings.engine_config())
     from tally_runtime.engine.llamacpp import LlamaCppEngine
 
     try:
-        engine = LlamaCppEngine.from_settings(settings)
+        engine = LlamaCppEngine.from_config(settings.engine_config())
     except FileNotFoundError as err:
         fail(str(err))
     if not engine.model_path.is_file():

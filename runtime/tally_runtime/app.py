@@ -44,6 +44,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
             log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
                      sum(resumed.requests.values()))
         metrics_.set_stream_mode(str(info.stream_mode))
+        metrics_.engine_healthy.set_function(lambda: 1.0 if engine.health().ok else 0.0)
         app.state.started = int(time.time())
         server = Server(
             engine, info, settings.served_model_name, metrics_, settings.max_concurrent_generations,

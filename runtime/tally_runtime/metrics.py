@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tally_runtime import contract
+from tally_runtime.engine.base import EngineMetrics
 from tally_runtime.ledger import Totals, request_key
 from tally_runtime.usage import RequestUsage
 
@@ -140,22 +140,20 @@ class Metrics:
         if tokens > 0:
             self.itl.observe(gap_seconds / tokens, tokens)
 
-    def render(self, engine_text: bytes = b"", settled: bool = True) -> bytes:
-        """Our series, then the engine's own (SGLang's), with the drift between them.
+    def render(self, engine: EngineMetrics | None = None, settled: bool = True) -> bytes:
+        """Our series, then the engine's own, with the drift between its totals and ours.
 
-        SGLang counts a request when it finishes, before its last item reaches us; we count it when its
-        response is done. Between those moments the two disagree by design, so the drift is taken only
-        when no request is in flight (`settled`) and otherwise keeps its last settled value."""
-        theirs = engine_totals(engine_text.decode()) if engine_text and settled else {}
-        if contract.SGLANG_PROMPT_TOKENS in theirs:  # no drift is reported without SGLang's counters to compare with
-            their_prompt = theirs[contract.SGLANG_PROMPT_TOKENS] - self.engine_offset[0]
+        An engine like SGLang counts a request when it finishes, before its last item reaches us; we count
+        it when its response is done. Between those moments the two disagree by design, so the drift is
+        taken only when no request is in flight (`settled`) and otherwise keeps its last settled value."""
+        engine = engine or EngineMetrics()
+        if settled and engine.prompt_tokens is not None:  # no drift without the engine's own totals
             ours = self.totals.engine_side_prompt_tokens - self._process_base[0]
-            self.drift.labels("prompt").set(ours - their_prompt)
-        if contract.SGLANG_GENERATION_TOKENS in theirs:
-            their_completion = theirs[contract.SGLANG_GENERATION_TOKENS] - self.engine_offset[1]
+            self.drift.labels("prompt").set(ours - (engine.prompt_tokens - self.engine_offset[0]))
+        if settled and engine.completion_tokens is not None:
             ours = self.totals.completion_tokens - self._process_base[1]
-            self.drift.labels("completion").set(ours - their_completion)
-        return generate_latest(self.registry) + engine_text
+            self.drift.labels("completion").set(ours - (engine.completion_tokens - self.engine_offset[1]))
+        return generate_latest(self.registry) + engine.text
 
 
 class TokenHistogram(Collector):
@@ -185,36 +183,3 @@ class TokenHistogram(Collector):
             cumulative += count
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
-
-
-def engine_totals(text: str) -> dict[str, float]:
-    """Sum SGLang's token counters over all their label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in (contract.SGLANG_PROMPT_TOKENS, contract.SGLANG_GENERATION_TOKENS):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
-def sglang_series() -> bytes:
-    """SGLang's own series (enable_metrics): its scheduler and detokenizer write them to
-    PROMETHEUS_MULTIPROC_DIR; its tokenizer manager lives in this process, and since prometheus_client
-    was imported before SGLang set that variable, its counters are in this process's default registry."""
-    from prometheus_client import REGISTRY, multiprocess
-
-    text = _only_sglang(generate_latest(REGISTRY))
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if directory and os.path.isdir(directory):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-        text += _only_sglang(generate_latest(registry))  # ours are served from our own registry
-    return text
-
-
-def _only_sglang(text: bytes) -> bytes:
-    keep = [line for line in text.splitlines(keepends=True)
-            if line.startswith(b"sglang:") or line.startswith((b"# HELP sglang:", b"# TYPE sglang:"))]
-    return b"".join(keep)

@@ -26,7 +26,6 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
-        error_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -34,7 +33,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or _default_type(status)
+        self.error_type = _default_type(status)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from tally_runtime.engine.base import EngineConfig
 
 ENGINES = ("cpu", "sglang")
 
@@ -39,6 +41,17 @@ class Settings:
     trust_remote_code: bool = False
     log_level: str = "info"
     engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
+
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model_path=self.model_path, served_model_name=self.served_model_name, context_length=self.context_length,
+            slots=self.max_concurrent_generations, cpu_threads=self.cpu_threads,
+            tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+            mem_fraction_static=self.mem_fraction_static, max_running_requests=self.max_running_requests,
+            trust_remote_code=self.trust_remote_code, log_level=self.log_level, engine_args=self.engine_args,
+            allow_cumulative_stream=self.allow_cumulative_stream,
+        )
 
 
 _HELP: dict[str, str] = {
@@ -106,7 +119,7 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     args = parser.parse_args(list(argv))
     values: dict[str, Any] = {}
     for f in fields(Settings):
-        default = f.default if f.default is not field else ()
+        default = f.default if f.default is not MISSING else ()
         value = getattr(args, f.name, None)
         if value is not None:
             values[f.name] = _convert(f.name, default, value) if isinstance(value, str) else value
@@ -154,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not field else ()
+        default = f.default if f.default is not MISSING else ()
         help_text = f"{_HELP[f.name]} (env {env_name(f.name)}; default: {default!r})"
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)

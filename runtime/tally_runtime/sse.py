@@ -44,6 +44,6 @@ def text_template(payload: dict[str, Any]) -> Callable[[str], bytes] | None:
     return lambda text: prefix + dumps(text) + suffix
 
 
-def error_event(message: str, error_type: str = "server_error", code: int | str | None = 500) -> bytes:
+def error_event(message: str, code: int | str | None = 500) -> bytes:
     """An in-band error after the first byte; openai-python raises APIError on it. [DONE] follows."""
-    return event({"error": {"message": message, "type": error_type, "param": None, "code": code}})
+    return event({"error": {"message": message, "type": "server_error", "param": None, "code": code}})

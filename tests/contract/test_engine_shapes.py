@@ -20,7 +20,7 @@ SETTINGS = Settings(max_concurrent_generations=4)
 
 
 def app_with(wrap: Any) -> Any:
-    return create_app(SETTINGS, wrap(LlamaCppEngine.from_settings(SETTINGS)))
+    return create_app(SETTINGS, wrap(LlamaCppEngine.from_config(SETTINGS.engine_config())))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def settings(**changes: Any) -> Settings:
 def adapter_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     gen, coalesce = request.param
     sglang.configure(version=GENERATIONS[gen], coalesce=coalesce)
-    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+    with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
         yield url, gen, coalesce
 
 
@@ -91,7 +91,7 @@ class SwitchIgnored(SGLangEngine):
 @pytest.mark.parametrize("gen", ["A", "B", "C", "D"])
 def test_cumulative_engine_is_refused_unless_allowed(gen: str) -> None:
     sglang.configure(version=GENERATIONS[gen], coalesce=(1, 3))
-    with serving(create_app(settings(), SwitchIgnored(settings())), health=503) as url:
+    with serving(create_app(settings(), SwitchIgnored(settings().engine_config())), health=503) as url:
         reason = httpx.get(f"{url}/health").json()["reason"]
         assert "incremental streaming off" in reason
         plain = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).json()
@@ -100,7 +100,7 @@ def test_cumulative_engine_is_refused_unless_allowed(gen: str) -> None:
         text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"])
         assert text == plain["choices"][0]["text"]
     allowed = settings(allow_cumulative_stream=True)
-    with serving(create_app(allowed, SwitchIgnored(allowed))) as url:
+    with serving(create_app(allowed, SwitchIgnored(allowed.engine_config()))) as url:
         metrics = httpx.get(f"{url}/metrics").text
         # the switch is off, so the mode in force is cumulative (even on A, which streams delta ids anyway)
         assert metric_value(metrics, "tally_stream_mode", {"mode": "cumulative"}) == 1
@@ -128,7 +128,7 @@ def test_cumulative_consumer_slices_text_and_ids() -> None:
 
 def run_adapter(gen: str, body: dict[str, Any], aborts: dict[str, tuple[int, str]]) -> Any:
     sglang.configure(version=GENERATIONS[gen], aborts=aborts)
-    engine = SGLangEngine(settings())
+    engine = SGLangEngine(settings().engine_config())
 
     async def go() -> Any:
         await engine.start()
@@ -149,7 +149,7 @@ def test_waiting_queue_abort_emits_no_duplicate() -> None:
 
 def test_abort_with_status_is_an_engine_error_in_band() -> None:
     sglang.configure(version=GENERATIONS["D"], aborts={"timeout": (3, "status")})
-    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+    with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
         events = sse_payloads(httpx.post(f"{url}/v1/completions", timeout=60, json={
             "prompt": "this will timeout", "max_tokens": 9, "stream": True}).content)
         assert events[-2]["error"]["code"] == 503 and "timeout" in events[-2]["error"]["message"]
@@ -158,7 +158,7 @@ def test_abort_with_status_is_an_engine_error_in_band() -> None:
 
 def test_value_error_before_first_item_is_400() -> None:
     sglang.configure(version=GENERATIONS["D"])
-    engine = SGLangEngine(settings())
+    engine = SGLangEngine(settings().engine_config())
 
     async def go() -> None:
         await engine.start()
@@ -172,7 +172,7 @@ def test_value_error_before_first_item_is_400() -> None:
 
 def test_owned_engine_args_are_rejected() -> None:
     sglang.configure(version=GENERATIONS["D"])
-    engine = SGLangEngine(settings(engine_args=("--port", "9")))
+    engine = SGLangEngine(settings(engine_args=("--port", "9")).engine_config())
     with pytest.raises(ValueError, match="--port is set by Tally"):
         asyncio.run(engine.start())
 
@@ -181,7 +181,7 @@ def test_cli_form_of_the_switch_is_accepted_for_every_generation() -> None:
     for gen in "ABCD":
         sglang.configure(version=GENERATIONS[gen])
         flag = "--stream-output" if gen in "AB" else "--incremental-streaming-output"
-        engine = SGLangEngine(settings(engine_args=(flag, "--stream-interval", "2")))
+        engine = SGLangEngine(settings(engine_args=(flag, "--stream-interval", "2")).engine_config())
         asyncio.run(engine.start())
         assert engine.health().ok and engine._engine.server_args.stream_interval == 2
 
@@ -190,7 +190,7 @@ def test_cli_form_of_the_switch_is_accepted_for_every_generation() -> None:
 def test_disconnect_aborts_the_request_inside_sglang_on_every_generation(gen: str) -> None:
     """Only 0.5.20+ aborts when its generator is closed; older ones ran the request on for nobody."""
     sglang.configure(version=GENERATIONS[gen])
-    engine = SGLangEngine(settings())
+    engine = SGLangEngine(settings().engine_config())
     with serving(create_app(settings(), engine)) as url, httpx.stream(
             "POST", f"{url}/v1/completions", timeout=60,
             json={"prompt": "Count to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
@@ -206,7 +206,7 @@ def test_disconnect_aborts_the_request_inside_sglang_on_every_generation(gen: st
 def test_an_engine_refusal_at_prime_is_recorded_once_and_unbilled() -> None:
     """SGLang's waiting-queue timeout before the first token: a 503 before any byte, no usage."""
     sglang.configure(version=GENERATIONS["D"], aborts={"busy now": (0, "status")})
-    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+    with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
         refused = httpx.post(f"{url}/v1/completions", timeout=60,
                              json={"prompt": "busy now", "max_tokens": 4, "stream": True})
         assert refused.status_code == 503 and refused.headers["retry-after"]
@@ -220,7 +220,7 @@ def test_an_engine_refusal_at_prime_is_recorded_once_and_unbilled() -> None:
 
 def test_top_k_zero_is_refused_before_the_engine_sees_it() -> None:
     sglang.configure(version=GENERATIONS["D"])
-    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+    with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
         refused = httpx.post(f"{url}/v1/completions", json={**BODY, "top_k": 0}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_k"
         metrics = httpx.get(f"{url}/metrics").text
@@ -232,7 +232,7 @@ def test_top_k_zero_is_refused_before_the_engine_sees_it() -> None:
 def test_logprobs_are_per_chunk_whether_sglang_slices_them_or_not(version: str) -> None:
     """0.5.10 still sent output logprob lists cumulatively in incremental mode; the probe finds out."""
     sglang.configure(version=version, coalesce=(1, 3))
-    with serving(create_app(settings(), SGLangEngine(settings()))) as url:
+    with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
         body = {**BODY, "logprobs": 1}
         plain = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         events = sse_payloads(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).content)
@@ -244,7 +244,7 @@ def test_logprobs_are_per_chunk_whether_sglang_slices_them_or_not(version: str) 
 
 def test_a_chat_template_that_writes_the_bos_gets_no_second_one() -> None:
     sglang.configure(version=GENERATIONS["D"], bos_template=True)
-    engine = SGLangEngine(settings())
+    engine = SGLangEngine(settings().engine_config())
     messages = [{"role": "user", "content": "Hi"}]
     with serving(create_app(settings(), engine)) as url:
         usage = httpx.post(f"{url}/v1/chat/completions", timeout=60,

@@ -24,7 +24,7 @@ def switched_off(server_args_cls: type, base: Any, incremental: bool = True) -> 
 def main() -> None:
     settings = settings_from(sys.argv[1:], {})
     sglang_compat.engine_kwargs = switched_off  # type: ignore[assignment]
-    app = create_app(settings, SGLangEngine(settings))
+    app = create_app(settings, SGLangEngine(settings.engine_config()))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
 
 

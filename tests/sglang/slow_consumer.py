@@ -17,7 +17,8 @@ from tally_runtime.settings import Settings
 
 
 async def run(model: str, engine_args: str) -> dict[str, Any]:
-    engine = SGLangEngine(Settings(engine="sglang", model_path=model, engine_args=tuple(engine_args.split())))
+    settings = Settings(engine="sglang", model_path=model, engine_args=tuple(engine_args.split()))
+    engine = SGLangEngine(settings.engine_config())
     await engine.start()
     try:
         ids = engine.tokenize("Count from one to fifty:")

@@ -17,6 +17,7 @@ from tally_runtime.engine.base import (
     Delta,
     EngineError,
     EngineInfo,
+    EngineMetrics,
     FinishReason,
     GenerationRequest,
     Health,
@@ -52,6 +53,9 @@ class ScriptedEngine:
 
     def health(self) -> Health:
         return Health(True)
+
+    def own_metrics(self) -> EngineMetrics:
+        return EngineMetrics()
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [1] * len(text.split()) + ([0] if add_special_tokens else [])

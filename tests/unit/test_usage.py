@@ -4,7 +4,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from tally_runtime.engine.base import Delta, FinishReason
+from tally_runtime.engine.base import Delta, EngineMetrics, FinishReason
 from tally_runtime.usage import ChoiceUsage, request_usage
 
 
@@ -99,6 +99,16 @@ def sglang_text(prompt: float, generation: float) -> bytes:
             b'# TYPE sglang:generation_tokens counter\nsglang:generation_tokens_total %.1f\n' % (prompt, generation))
 
 
+def engine_numbers(prompt: float, generation: float) -> EngineMetrics:
+    """What the SGLang adapter reports: its series, and the token totals summed over their label sets."""
+    from tally_runtime.engine.sglang_metrics import engine_totals
+
+    text = sglang_text(prompt, generation)
+    totals = engine_totals(text.decode())
+    assert totals == {"sglang:prompt_tokens_total": prompt, "sglang:generation_tokens_total": generation}
+    return EngineMetrics(text, totals["sglang:prompt_tokens_total"], totals["sglang:generation_tokens_total"])
+
+
 def test_drift_against_sglang_counters_counts_the_prompt_per_choice() -> None:
     from tally_runtime.metrics import Metrics
 
@@ -107,7 +117,7 @@ def test_drift_against_sglang_counters_counts_the_prompt_per_choice() -> None:
     two = [finished(i, 0, [Delta(token_ids=(1,) * 15, prompt_tokens=5, completion_tokens=15,
                                  finish_reason=FinishReason.LENGTH)]) for i in range(2)]
     metrics.record_usage(request_usage(two))
-    text = metrics.render(sglang_text(10, 25)).decode()
+    text = metrics.render(engine_numbers(10, 25)).decode()
     assert 'tally_engine_usage_drift_tokens{kind="prompt"} 0.0' in text
     assert 'tally_engine_usage_drift_tokens{kind="completion"} 5.0' in text
     assert text.endswith(sglang_text(10, 25).decode())
@@ -118,8 +128,8 @@ def test_drift_is_only_taken_when_settled() -> None:
     from tally_runtime.metrics import Metrics
 
     metrics = Metrics()
-    metrics.render(sglang_text(0, 0))
-    text = metrics.render(sglang_text(4, 8), settled=False).decode()  # finished in SGLang, not yet here
+    metrics.render(engine_numbers(0, 0))
+    text = metrics.render(engine_numbers(4, 8), settled=False).decode()  # finished in SGLang, not yet here
     assert 'tally_engine_usage_drift_tokens{kind="completion"} 0.0' in text
 
 

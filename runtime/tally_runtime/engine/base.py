@@ -116,6 +116,35 @@ class EngineInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What an adapter needs to start its engine: the engine's part of the runtime's settings."""
+
+    model_path: str = ""  # empty: the adapter's default (the embedded GGUF for the CPU engine)
+    served_model_name: str = "smollm2-135m-instruct"
+    context_length: int = 2048
+    slots: int = 4  # generations at once (the CPU engine keeps one context each)
+    cpu_threads: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mem_fraction_static: float = 0.0
+    max_running_requests: int = 0
+    trust_remote_code: bool = False
+    log_level: str = "info"
+    engine_args: tuple[str, ...] = ()
+    allow_cumulative_stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """An engine's own series for /metrics (Prometheus text), and its own token totals where it keeps any:
+    the runtime reports the drift between those and the engine-sourced usage it counted itself."""
+
+    text: bytes = b""
+    prompt_tokens: float | None = None
+    completion_tokens: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Health:
     ok: bool
     reason: str = ""
@@ -129,6 +158,10 @@ class Engine(Protocol):
     async def stop(self) -> None: ...
 
     def health(self) -> Health: ...
+
+    def own_metrics(self) -> EngineMetrics:
+        """The engine's own series and token totals (empty for an engine that keeps none)."""
+        ...
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids as the engine would see this prompt text (including any BOS it adds, unless

@@ -26,8 +26,10 @@ import numpy as np
 
 from tally_runtime.engine.base import (
     Delta,
+    EngineConfig,
     EngineError,
     EngineInfo,
+    EngineMetrics,
     FinishReason,
     GenerationRequest,
     Health,
@@ -36,7 +38,6 @@ from tally_runtime.engine.base import (
     TokenLogprob,
 )
 from tally_runtime.engine.stops import StopMatcher
-from tally_runtime.settings import Settings
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,9 +76,9 @@ class LlamaCppEngine:
         self._stopping = False
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> LlamaCppEngine:
-        path = Path(settings.model_path) if settings.model_path else embedded_model_path()
-        return cls(path, settings.context_length, settings.max_concurrent_generations, settings.cpu_threads)
+    def from_config(cls, config: EngineConfig) -> LlamaCppEngine:
+        path = Path(config.model_path) if config.model_path else embedded_model_path()
+        return cls(path, config.context_length, config.slots, config.cpu_threads)
 
     # ---- lifecycle
 
@@ -136,6 +137,9 @@ class LlamaCppEngine:
 
     def health(self) -> Health:
         return self._health
+
+    def own_metrics(self) -> EngineMetrics:
+        return EngineMetrics()  # llama.cpp keeps no counters of its own
 
     # ---- text
 

@@ -19,16 +19,18 @@ from typing import Any
 from tally_runtime.engine import sglang_compat as compat
 from tally_runtime.engine.base import (
     Delta,
+    EngineConfig,
     EngineError,
     EngineInfo,
+    EngineMetrics,
     GenerationRequest,
     Health,
     InvalidRequestError,
     SamplingParams,
     StreamMode,
 )
+from tally_runtime.engine.sglang_metrics import sglang_metrics
 from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation, StreamShape
-from tally_runtime.settings import Settings
 
 log = logging.getLogger("tally_runtime.engine.sglang")
 
@@ -57,7 +59,7 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def base_kwargs(settings: Settings) -> dict[str, Any]:
+def base_kwargs(settings: EngineConfig) -> dict[str, Any]:
     """Engine arguments from our settings plus the pass-through ones (already parsed to keyword form)."""
     if not settings.model_path:
         raise ValueError("--model-path is required with --engine sglang (an HF checkpoint directory)")
@@ -93,7 +95,7 @@ def parse_pass_through(server_args_cls: Any, args: Sequence[str]) -> dict[str, A
 
 
 class SGLangEngine:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: EngineConfig) -> None:
         self.settings = settings
         self._engine: Any = None
         self._shape = StreamShape(ids_cumulative=False, text_cumulative=False)
@@ -183,9 +185,8 @@ class SGLangEngine:
     def health(self) -> Health:
         return self._health
 
-    @property
-    def shape(self) -> StreamShape:
-        return self._shape
+    def own_metrics(self) -> EngineMetrics:
+        return sglang_metrics()
 
     # ---- text
 

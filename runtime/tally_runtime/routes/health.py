@@ -17,7 +17,6 @@ async def health(request: Request) -> Response:
     if server is None:
         return json_response({"status": "starting"}, 503)
     state = server.engine.health()
-    server.metrics.engine_healthy.set(1 if state.ok else 0)
     if server.draining:
         return json_response({"status": "draining", "reason": "the server is shutting down"}, 503)
     if state.ok:
