@@ -30,7 +30,15 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from tally_runtime.engine.base import Delta, EngineInfo, EngineMetrics, FinishReason, GenerationRequest, Health, SamplingParams
+from tally_runtime.engine.base import (
+    Delta,
+    EngineInfo,
+    EngineMetrics,
+    FinishReason,
+    GenerationRequest,
+    Health,
+    SamplingParams,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
