@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from runtime_harness import free_port, wait_healthy
+from runtime_harness import free_port, terminate, wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +32,7 @@ def runtime_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_healthy(url, proc, log, deadline=120)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from tally_operator.conditions import Verdict, transitions
 from tally_operator.desired import desired_deployment, desired_pdb, desired_service, endpoint
 from tally_operator.kube import Kube, is_transient
 from tally_operator.metrics import OperatorMetrics
+from tally_operator.samples import MetricsParseError, parse_sample
 from tally_operator.scrape import scrape
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec, SpecError, parse_spec
@@ -31,17 +32,8 @@ from tally_operator.status import (
     without_times,
     workload_verdicts,
 )
-from tally_operator.usage import (
-    MetricsParseError,
-    Round,
-    UsageState,
-    absorb,
-    judge,
-    parse_sample,
-    scrape_targets,
-    state_from_status,
-    usage_status,
-)
+from tally_operator.usage import Round, UsageState, absorb, scrape_targets, state_from_status, usage_status
+from tally_operator.verdict import judge
 
 SETTINGS = OperatorSettings.from_env()
 METRICS = OperatorMetrics()

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from tally_operator.usage import Counters
+from tally_operator.samples import Counters
 
 PREFIX = "tally_service"
 _FIELDS = {

@@ -19,7 +19,6 @@ from runtime_harness import metric_value, serving, sse_payloads
 from tally_runtime.app import create_app
 from tally_runtime.engine.base import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
 from tally_runtime.engine.sglang import SGLangEngine
-from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation, StreamShape
 from tally_runtime.settings import Settings
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -104,26 +103,6 @@ def test_cumulative_engine_is_refused_unless_allowed(gen: str) -> None:
         metrics = httpx.get(f"{url}/metrics").text
         # the switch is off, so the mode in force is cumulative (even on A, which streams delta ids anyway)
         assert metric_value(metrics, "tally_stream_mode", {"mode": "cumulative"}) == 1
-
-
-def test_cumulative_items_to_an_incremental_consumer_fail_loudly() -> None:
-    """The 'ThreeThree colors' bug: cumulative ids/text treated as deltas. It must raise, not relay."""
-    stream = ChoiceStream(StreamShape(ids_cumulative=False, text_cumulative=False), str)
-    items = [{"text": "Three", "output_ids": [1], "meta_info": {"completion_tokens": 1, "prompt_tokens": 2}},
-             {"text": "Three colors", "output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "prompt_tokens": 2}}]
-    assert stream.convert(items[0]).text == "Three"
-    with pytest.raises(StreamModeViolation):
-        stream.convert(items[1])
-
-
-def test_cumulative_consumer_slices_text_and_ids() -> None:
-    stream = ChoiceStream(StreamShape(ids_cumulative=True, text_cumulative=True), str)
-    texts, ids = [], []
-    for n, text in enumerate(["Three", "Three colors", "Three colors of"], start=1):
-        delta = stream.convert({"text": text, "output_ids": list(range(n)), "meta_info": {"completion_tokens": n}})
-        texts.append(delta.text)
-        ids += delta.token_ids
-    assert "".join(texts) == "Three colors of" and ids == [0, 1, 2]
 
 
 def run_adapter(gen: str, body: dict[str, Any], aborts: dict[str, tuple[int, str]]) -> Any:

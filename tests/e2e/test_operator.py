@@ -32,11 +32,6 @@ def deployment(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
     return dict(kube.json("get", "deployment", name))
 
 
-def test_chart_crd_is_the_canonical_crd() -> None:
-    canonical = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
-    assert (CHART / "crds" / canonical.name).read_bytes() == canonical.read_bytes()
-
-
 def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     subprocess.run(["helm", "lint", "--strict", str(CHART)], check=True, env=kubectl.env, capture_output=True)
     rendered = subprocess.run(["helm", "template", "t", str(CHART), "--set", "peering.enabled=false"],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 from kube_harness import ROOT, Kubectl, eventually, token_kubeconfig
-from runtime_harness import free_port
+from runtime_harness import free_port, terminate
 
 CHART = ROOT / "charts" / "tally-operator"
 RELEASE = "tally-operator"
@@ -68,10 +68,6 @@ class OperatorProcess:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc is not None:
+            terminate(self.proc)
         self.proc = None

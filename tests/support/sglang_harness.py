@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from runtime_harness import terminate
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("TALLY_SGLANG_MODEL", Path.home() / ".cache/tally/models/smollm2-135m-instruct-hf"))
 # SGLang's CPU path (SGLANG_CONTRACT.md §9); the stand-in sgl_kernel is first on the path.
@@ -26,8 +28,4 @@ def start(command: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    terminate(proc, timeout=60)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tally_runtime.engine.sglang_compat import Generation, ProbeItem, expected_shape, probe_shape
-from tally_runtime.engine.sglang_stream import ChoiceStream, StreamShape
 
 WORDS = [" jumps", " over", "", " the", " lazy", " dog", "\u00e9", "."]  # "" = part of a multi-byte character
+
+
 FULL = "".join(WORDS)
+
+
 A = expected_shape(Generation.A, incremental=True)
-D = expected_shape(Generation.D, incremental=True)
 
 
 def cumulative_text(ids_cumulative: bool = False, logprobs: bool = False) -> list[ProbeItem]:
@@ -24,6 +26,9 @@ def cumulative_text(ids_cumulative: bool = False, logprobs: bool = False) -> lis
 
 def delta_text() -> list[ProbeItem]:
     return [ProbeItem(word, (n,), n, 1) for n, word in enumerate(WORDS, start=1)]
+
+
+D = expected_shape(Generation.D, incremental=True)
 
 
 @pytest.mark.parametrize("full_text", [FULL, None], ids=["decoded", "undecodable"])
@@ -57,20 +62,3 @@ def test_sglang_0_5_10_cumulative_logprobs_in_incremental_mode() -> None:
     assert shape.logprobs_cumulative and not shape.ids_cumulative and not shape.text_cumulative
     sliced = probe_shape(delta_text(), expected_shape(Generation.C, incremental=True), FULL)
     assert not sliced.logprobs_cumulative
-
-
-def test_ids_sglang_dropped_under_backlog_are_counted_as_dropped() -> None:
-    """<= 0.5.9: a coalesced item carries only the newest delta id; completion_tokens stays right."""
-    stream = ChoiceStream(StreamShape(False, True, True, drops_backlog_ids=True), str)
-    first = stream.convert({"text": "a", "output_ids": [1], "meta_info": {"completion_tokens": 1}})
-    late = stream.convert({"text": "abcd", "output_ids": [4], "meta_info": {"completion_tokens": 4}})
-    last = stream.convert({"text": "abcde", "output_ids": [5], "meta_info": {
-        "completion_tokens": 5, "finish_reason": {"type": "length", "length": 5}}})
-    assert [(d.token_ids, d.dropped_ids, d.text) for d in (first, late, last)] == [
-        ((1,), 0, "a"), ((4,), 2, "bcd"), ((5,), 0, "e")]
-
-
-def test_generations_that_keep_every_id_drop_none() -> None:
-    stream = ChoiceStream(StreamShape(False, False), str)
-    delta = stream.convert({"text": "ab", "output_ids": [1, 2], "meta_info": {"completion_tokens": 2}})
-    assert delta.dropped_ids == 0

@@ -1,3 +1,5 @@
+"""Unit tests of protocol."""
+
 from __future__ import annotations
 
 from typing import Any

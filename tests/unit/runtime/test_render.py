@@ -1,34 +1,19 @@
-"""The relay's fast paths give the same bytes and series as the plain ones they stand in for."""
+"""The event renderer's fast path gives the same bytes as the plain dict path."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from tally_runtime import sse
 from tally_runtime.engine.base import Delta, FinishReason, SamplingParams, TokenLogprob
-from tally_runtime.metrics import TOKEN_BUCKETS, TokenHistogram
 from tally_runtime.prepare import CHAT, COMPLETIONS, Endpoint, Job
 from tally_runtime.render import EventRenderer
 from tally_runtime.streaming import ResponseHeader
 from tally_runtime.usage import ChoiceUsage
 
 TEXTS = ["", " tok", "naïve 日本語 🎉", 'quote " and \\ backslash', "new\nline\ttab\r", "\x00\x1f\u2028", "data: x\n\n"]
-
-
-def test_text_template_equals_dumping_the_dict() -> None:
-    header = ResponseHeader("cmpl-1", 7, 'model "quoted" \\ 🎉')
-    template = sse.text_template(header.envelope("text_completion", [{"index": 3, "text": sse.TEXT_MARK}], None))
-    assert template is not None
-    for text in TEXTS:
-        assert template(text) == sse.event(header.envelope("text_completion", [{"index": 3, "text": text}], None))
-
-
-def test_text_template_refuses_a_payload_without_exactly_one_mark() -> None:
-    assert sse.text_template({"text": "plain"}) is None
-    assert sse.text_template({"a": sse.TEXT_MARK, "b": sse.TEXT_MARK}) is None
 
 
 def job(endpoint: Endpoint, n: int = 2, echo: bool = False, continuous: bool = False) -> Job:
@@ -63,28 +48,3 @@ def test_event_renderer_equals_the_dict_path(endpoint: Endpoint, echo: bool, con
         plain_out.extend(sse.event(event) for event in plain._dicts(index, delta))
     assert fast_out == plain_out
     assert bool(fast.templates) is not continuous  # the fast path was taken, except with running usage
-
-
-def test_token_histogram_exposes_what_prometheus_histogram_does() -> None:
-    theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
-    theirs = Histogram("x_seconds", "doc", buckets=TOKEN_BUCKETS, registry=theirs_registry)
-    ours = TokenHistogram("x_seconds", "doc", TOKEN_BUCKETS, registry=ours_registry)
-    rng = random.Random(1)
-    values = [*TOKEN_BUCKETS, 0.0, 1e-9, 99.0] + [rng.random() / 10 for _ in range(200)]
-    for value in values:
-        theirs.observe(value)
-        ours.observe(value)
-    for _ in range(5):  # one call for five equal tokens
-        theirs.observe(0.02)
-    ours.observe(0.02, 5)
-
-    def samples(registry: CollectorRegistry) -> dict[str, float]:
-        lines = generate_latest(registry).decode().splitlines()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
-                if not line.startswith("#") and "_created" not in line}
-
-    expected, got = samples(theirs_registry), samples(ours_registry)
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        assert got[key] == pytest.approx(value), key
-    assert got['x_seconds_bucket{le="0.02"}'] > got['x_seconds_bucket{le="0.01"}']

@@ -9,6 +9,7 @@ import textwrap
 BLOCKED = ("tally_runtime.engine", "tally_runtime.serving", "tally_runtime.app", "fastapi", "uvicorn",
            "llama_cpp", "sglang", "torch")
 
+
 SCRIPT = textwrap.dedent(f"""
     import importlib.abc, sys
 

@@ -1,3 +1,5 @@
+"""Unit tests of settings."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,8 +1,7 @@
 """The serving core on a scripted engine: what each chunk says, what gets recorded, and when.
 
 The engine here only decides *when* deltas arrive (a whole backlog at once, a choice stuck in prefill,
-a refusal before the first token); `Server`, `Run`, the renderer and the metrics are the real ones.
-"""
+a refusal before the first token); `Server`, `Run`, the renderer and the metrics are the real ones."""
 
 from __future__ import annotations
 
@@ -93,15 +92,6 @@ def events(chunks: list[bytes]) -> list[Any]:
     return [e[6:].decode() if e == b"data: [DONE]" else orjson.loads(e[6:]) for e in body.split(b"\n\n") if e]
 
 
-def counter(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
-    total = 0.0
-    for family in metrics.registry.collect():
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                total += sample.value
-    return total
-
-
 async def stream(srv: Server, body: dict[str, Any], chat: bool = False, take: int | None = None) -> list[Any]:
     job = srv.prepare.chat(ChatCompletionRequest(**body)) if chat else srv.prepare.completion(
         CompletionRequest(**body))
@@ -117,7 +107,18 @@ async def stream(srv: Server, body: dict[str, Any], chat: bool = False, take: in
 
 
 STREAM = {"prompt": "a b c", "max_tokens": 4, "stream": True}
+
+
 RUNNING = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def counter(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
+    total = 0.0
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
 
 
 def test_running_usage_is_per_chunk_even_when_a_backlog_arrives_as_one_batch() -> None:

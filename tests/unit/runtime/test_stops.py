@@ -1,3 +1,5 @@
+"""Unit tests of stops."""
+
 from __future__ import annotations
 
 import pytest

@@ -11,6 +11,8 @@ from tally_operator.settings import OperatorSettings
 from tally_operator.spec import SpecError, parse_spec
 
 META = {"name": "llama", "namespace": "team-a", "uid": "u-1"}
+
+
 SGLANG = {"model": {"name": "llama-8b", "path": "/models/llama"}, "engine": {"kind": "sglang", "tensorParallelSize": 2,
           "args": ["--stream-interval", "2"]}, "replicas": 3, "resources": {"gpus": 4}}
 
@@ -91,4 +93,3 @@ def test_the_streaming_switch_in_engine_args_is_accepted_as_the_runtime_accepts_
     """One rule on both sides: Tally always turns incremental streaming on, so the flag is redundant."""
     spec = parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": [flag, "--stream-interval", "2"]}})
     assert f"--engine-args={flag} --stream-interval 2" in runtime_args(spec)
-
