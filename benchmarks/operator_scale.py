@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 from kube_harness import Kubectl, cluster_env  # noqa: E402
 
 from tally_operator.desired import desired_deployment, desired_service  # noqa: E402
+from tally_operator.samples import parse_sample  # noqa: E402
 from tally_operator.scrape import scrape  # noqa: E402
 from tally_operator.settings import OperatorSettings  # noqa: E402
 from tally_operator.spec import parse_spec  # noqa: E402
-from tally_operator.samples import parse_sample  # noqa: E402
 
 SPEC = {"model": {"name": "m"}, "engine": {"kind": "cpu"}, "replicas": 1,
         "resources": {"gpus": 0, "cpu": "100m", "memory": "64Mi"},

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tally_operator.constants import DEGRADED, PROGRESSING, REASON_UNSCHEDULABLE
+
 Condition = dict[str, Any]
 
 
@@ -41,3 +43,13 @@ def transitions(before: Sequence[Condition], after: Sequence[Condition]) -> list
         if old is None or (old.get("status"), old.get("reason")) != (condition["status"], condition["reason"]):
             changed.append(condition)
     return changed
+
+
+def is_bad(condition: Condition) -> bool:
+    """Whether a condition's news is bad (a Warning Event): Degraded, unschedulable, or any other False."""
+    kind, status = condition["type"], condition["status"]
+    if kind == DEGRADED:
+        return bool(status == "True")
+    if kind == PROGRESSING:
+        return bool(condition["reason"] == REASON_UNSCHEDULABLE)
+    return bool(status == "False")

@@ -1,8 +1,16 @@
-"""I/O: the only module that talks to the API server (server-side apply, get, list, delete, status)."""
+"""I/O: the only module that talks to the API server (server-side apply, get, list, delete).
+
+Calls block (the Kubernetes client is synchronous); callers on an event loop run them in a thread.
+API errors leave this module as `KubeError`, sorted by meaning, so nothing above imports the client's
+exception types.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import json
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -12,6 +20,38 @@ from kubernetes.dynamic.exceptions import NotFoundError
 from tally_operator import constants as c
 
 Obj = dict[str, Any]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class KubeError(Exception):
+    """The API server refused or failed a call. `transient`: worth retrying (busy, restarting, a race)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        return self.status in {0, 409, 429} or self.status >= 500
+
+
+def _sorted_errors(call: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(call)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return call(*args, **kwargs)
+        except ApiException as error:
+            raise KubeError(int(error.status or 0), _message(error)) from error
+    return wrapper
+
+
+def _message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)
 
 
 class Kube:
@@ -26,6 +66,7 @@ class Kube:
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
+    @_sorted_errors
     def apply(self, obj: Obj) -> Obj:
         """Server-side apply under our one field manager; conflicts are forced so manual edits revert."""
         meta = obj["metadata"]
@@ -34,12 +75,14 @@ class Kube:
             force_conflicts=True)
         return dict(result.to_dict())
 
+    @_sorted_errors
     def get(self, api_version: str, kind: str, name: str, namespace: str) -> Obj | None:
         try:
             return dict(self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict())
         except NotFoundError:
             return None
 
+    @_sorted_errors
     def delete(self, api_version: str, kind: str, name: str, namespace: str) -> bool:
         try:
             self._resource(api_version, kind).delete(name=name, namespace=namespace)
@@ -47,11 +90,7 @@ class Kube:
             return False
         return True
 
+    @_sorted_errors
     def pods(self, namespace: str, selector: str) -> list[Obj]:
         result = self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
         return [dict(item) for item in result.to_dict().get("items", [])]
-
-
-def is_transient(error: ApiException) -> bool:
-    """Worth retrying: the server is busy or restarting, or we raced another writer."""
-    return error.status in {409, 429} or error.status >= 500 or error.status == 0

@@ -18,6 +18,8 @@ class OperatorSettings:
     workers: int = 0  # threads running handlers concurrently; 0 keeps kopf's default
     scrape_concurrency: int = 16
     scrape_timeout: float = 3.0
+    peering_name: str = "tally-operator"  # the chart sets the release's full name
+    peering_clusterwide: bool = True  # False for an operator that watches given namespaces
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -27,7 +29,16 @@ class OperatorSettings:
             key = f"TALLY_OPERATOR_{f.name.upper()}"
             if key in env:
                 try:
-                    values[f.name] = type(getattr(cls(), f.name))(env[key])
+                    kind = type(getattr(cls(), f.name))
+                    values[f.name] = _boolean(env[key]) if kind is bool else kind(env[key])
                 except ValueError as err:
                     raise ValueError(f"{key}: {err}") from None
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _boolean(text: str) -> bool:
+    if text.strip().lower() in {"1", "true", "yes", "on"}:
+        return True
+    if text.strip().lower() in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")

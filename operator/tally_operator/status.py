@@ -108,3 +108,10 @@ def without_times(status: Mapping[str, Any]) -> dict[str, Any]:
     out["conditions"] = [{k: v for k, v in cond.items() if k != "lastTransitionTime"}
                          for cond in status.get("conditions") or []]
     return out
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True"
+                for cond in status.get("conditions") or [])
+    return bool(ready and status.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"))

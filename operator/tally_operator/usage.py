@@ -17,6 +17,7 @@ from typing import Any
 
 from tally_operator.conditions import Verdict
 from tally_operator.samples import Counters, PodSample, stream_mode
+from tally_operator.status import is_ready
 
 WINDOW_ROUNDS = 10
 
@@ -112,13 +113,6 @@ def scrape_targets(pods: Iterable[Mapping[str, Any]], readings: Mapping[str, Rea
         if ip and uid and (is_ready(pod) or meta.get("deletionTimestamp") or uid in readings):
             targets[str(uid)] = f"http://{ip}:{port}/metrics"
     return targets
-
-
-def is_ready(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True"
-                for cond in status.get("conditions") or [])
-    return bool(ready and status.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
 _STATUS_KEYS = {"requests": "requests", "prompt_tokens": "promptTokens", "completion_tokens": "completionTokens",

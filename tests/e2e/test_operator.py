@@ -45,6 +45,25 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
+def test_chart_watching_namespaces_grants_roles_only_there(kubectl: Kubectl, namespace: str) -> None:
+    rendered = subprocess.run(["helm", "template", "t", str(CHART), "--set", f"watchNamespaces={{{namespace}}}",
+                               "--set", "fullnameOverride=tally-team-a", "--set", "nameOverride=tally"],
+                              check=True, env=kubectl.env, capture_output=True, text=True).stdout
+    objects = [o for o in yaml.safe_load_all(rendered) if o]
+    kinds = {(o["kind"], o["metadata"].get("namespace")) for o in objects}
+    assert {("Role", namespace), ("RoleBinding", namespace), ("KopfPeering", namespace)} <= kinds
+    assert ("ClusterKopfPeering", None) not in kinds
+    cluster_role = next(o for o in objects if o["kind"] == "ClusterRole")
+    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
+    assert {o["metadata"]["name"] for o in objects if o["kind"] != "Service"} == {"tally-team-a"}
+    assert all(o["metadata"]["labels"]["app.kubernetes.io/name"] == "tally" for o in objects)
+    env = next(c for c in objects if c["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "TALLY_OPERATOR_PEERING_CLUSTERWIDE", "value": "false"} in env
+    server = subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", "-"], input=rendered, text=True,
+                            env=kubectl.env, capture_output=True)
+    assert server.returncode == 0, server.stderr
+
+
 def test_example_becomes_ready_with_gpu_pods(operator: OperatorProcess, kube: Kubectl, namespace: str) -> None:
     kube.apply(example())
     ready = eventually(lambda: (r := condition(kube, "Ready")).get("status") == "True" and r, 90, what="Ready=True")
