@@ -19,8 +19,8 @@ from tally_runtime.ledger import Journal, Totals
 from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError
 from tally_runtime.records import RecordSink
+from tally_runtime.respond import error_response
 from tally_runtime.routes import chat, completions, health, metrics, models
-from tally_runtime.routes.respond import error_response
 from tally_runtime.serving import Server
 from tally_runtime.settings import Settings
 

@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from tally_runtime.prepare import CHAT, Job
 from tally_runtime.protocol import ChatCompletionRequest, parse_json_body, validated
-from tally_runtime.routes.respond import respond
+from tally_runtime.respond import respond
 from tally_runtime.serving import Server
 
 router = APIRouter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tally_runtime.routes.respond import json_response
+from tally_runtime.respond import json_response
 from tally_runtime.serving import Server
 
 router = APIRouter()

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tally_runtime.protocol import ApiError
-from tally_runtime.routes.respond import error_response, json_response
+from tally_runtime.respond import error_response, json_response
 from tally_runtime.serving import Server
 
 router = APIRouter()
