@@ -45,7 +45,10 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
-def test_chart_watching_namespaces_grants_roles_only_there(kubectl: Kubectl, namespace: str) -> None:
+def test_chart_watching_namespaces_grants_roles_only_there(operator: OperatorProcess, kubectl: Kubectl,
+                                                           namespace: str) -> None:
+    """A namespaced install: RBAC and peering in the watched namespace only. (The operator fixture installed
+    the chart, so kopf's peering CRDs exist for the server's dry run.)"""
     rendered = subprocess.run(["helm", "template", "t", str(CHART), "--set", f"watchNamespaces={{{namespace}}}",
                                "--set", "fullnameOverride=tally-team-a", "--set", "nameOverride=tally"],
                               check=True, env=kubectl.env, capture_output=True, text=True).stdout
