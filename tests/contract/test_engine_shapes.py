@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_wrappers import Coalescing, FailingAfter, UsageBlind
+from engine_wrappers import Coalescing, Crashing, FailingAfter, UsageBlind
 from runtime_harness import metric_value, serving, sse_payloads
 
 from tally_runtime.app import create_app
@@ -119,3 +119,17 @@ def test_derived_usage_is_counted() -> None:
                           timeout=60).json()
         assert body["usage"]["completion_tokens"] == 5
         assert metric_value(httpx.get(f"{url}/metrics").text, "tally_derived_usage_requests_total") == 1
+
+
+@pytest.mark.parametrize(("after", "stream"), [pytest.param(0, True, id="at-prime-streamed"),
+                                               pytest.param(0, False, id="at-prime-plain"),
+                                               pytest.param(2, False, id="mid-generation-plain")])
+def test_an_unexpected_engine_failure_is_still_the_openai_envelope(after: int, stream: bool) -> None:
+    with serving(app_with(lambda e: Crashing(e, after, "CRASH"))) as url:
+        response = httpx.post(f"{url}/v1/completions", timeout=60,
+                              json={"prompt": "CRASH", "max_tokens": 6, "ignore_eos": True, "stream": stream})
+        assert response.status_code == 500 and response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "unexpected engine failure" not in error["message"]
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200  # the server keeps serving

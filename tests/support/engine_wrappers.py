@@ -72,3 +72,20 @@ class UsageBlind(Wrapper):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         async for delta in self.inner.generate(request):
             yield Delta(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason)
+
+
+class Crashing(Wrapper):
+    """An engine failing with something other than EngineError (a bug, a lost connection) after `deltas`."""
+
+    def __init__(self, inner: Any, deltas: int, trigger: str) -> None:
+        super().__init__(inner)
+        self.deltas = deltas
+        self.trigger = trigger
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        seen = 0
+        async for delta in self.inner.generate(request):
+            if self.trigger in self.inner.detokenize(request.prompt_ids) and seen == self.deltas:
+                raise RuntimeError("unexpected engine failure")
+            seen += 1
+            yield delta
