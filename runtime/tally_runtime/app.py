@@ -64,6 +64,8 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
             await engine.stop()
             if records is not None:
                 records.close()
+            if journal is not None:
+                journal.close()
 
     app = FastAPI(title="Tally runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     for module in (completions, chat, models, health, metrics):

@@ -1,21 +1,25 @@
 """The counter journal: usage counters that survive a crash of the runtime process inside its pod.
 
 After every recorded request the counters are written whole to a small JSON file (on an emptyDir the
-operator mounts), by write-then-rename, so a reader finds either the old or the new version, never a torn
-one. A restarted process reads it back and continues from there, under the same epoch: to the operator
-the counters never reset, so a container restart loses nothing that had finished. No fsync: the file must
-outlive the process, not the node (a node loss takes the pod's volume with it).
+operator mounts) with one `pwrite` at offset 0 on a file kept open, padded with spaces to the previous
+length so a shorter snapshot leaves no stale tail (JSON ignores trailing whitespace). A process that dies
+cannot leave a small single write half done, so a reader finds the old or the new snapshot. (A rename per
+request cost 0.3 ms here, benchmarks/README.md.) A restarted process reads it back and continues from
+there, under the same epoch: to the operator the counters never reset, so a container restart loses
+nothing that had finished. No fsync: the file must outlive the process, not the node (a node loss takes
+the pod's volume with it).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 log = logging.getLogger("tally_runtime.ledger")
 
@@ -39,11 +43,11 @@ class Totals:
     tenant_overflow: float = 0.0
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": VERSION, **{name: getattr(self, name) for name in self.__slots__}}).encode()
+        return orjson.dumps({"version": VERSION, **{name: getattr(self, name) for name in self.__slots__}})
 
     @classmethod
     def from_json(cls, raw: bytes) -> Totals:
-        data: dict[str, Any] = json.loads(raw)
+        data: dict[str, Any] = orjson.loads(raw)
         if data.pop("version", None) != VERSION:
             raise ValueError("unknown journal version")
         totals = cls(**data)
@@ -59,7 +63,8 @@ def request_key(endpoint: str, outcome: str, finish_reason: str) -> str:
 class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.temp = path.with_name(path.name + ".tmp")
+        self.fd: int | None = None
+        self.size = 0  # bytes of the snapshot last written: a shorter one is padded over it
         self.failing = False
 
     def load(self) -> Totals | None:
@@ -76,14 +81,22 @@ class Journal:
             return None
 
     def write(self, totals: Totals) -> None:
-        """Replace the journal; a failure is logged once and never fails the request that caused it."""
+        """Overwrite the journal; a failure is logged once and never fails the request that caused it."""
         try:
-            with open(self.temp, "wb") as out:
-                out.write(totals.to_json())
-            os.replace(self.temp, self.path)
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+                self.size = os.fstat(self.fd).st_size
+            data = totals.to_json()
+            os.pwrite(self.fd, data.ljust(self.size), 0)
+            self.size = max(self.size, len(data))
         except OSError as err:
             if not self.failing:
                 log.error("Cannot write the counter journal %s: %s", self.path, err)
             self.failing = True
         else:
             self.failing = False
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -43,9 +43,9 @@ class UsageRecord:
     duration_seconds: float
 
     def to_line(self) -> bytes:
-        body = asdict(self)
+        body = {"schema": SCHEMA, **{name: getattr(self, name) for name in self.__slots__}}
         body["time"] = datetime.datetime.fromtimestamp(self.time, datetime.UTC).isoformat(timespec="milliseconds")
-        return orjson.dumps({"schema": SCHEMA, **body}) + b"\n"
+        return orjson.dumps(body) + b"\n"
 
 
 MAX_TENANT_LENGTH = 128

@@ -49,3 +49,18 @@ def test_a_journal_that_cannot_be_written_never_fails_the_request(tmp_path: Any)
     journal = Journal(tmp_path / "missing-dir" / "usage.json")
     journal.write(Totals())
     assert journal.failing and journal.load() is None
+
+
+def test_a_shorter_snapshot_leaves_no_stale_tail(tmp_path: Any) -> None:
+    from tally_runtime.ledger import Journal, Totals
+
+    journal = Journal(tmp_path / "usage.json")
+    journal.write(Totals(epoch=1.0, requests={f"completions|ok|r{i}": 1.0 for i in range(20)}))
+    short = Totals(epoch=1.0, prompt_tokens=3.0)
+    journal.write(short)
+    journal.close()
+    assert Journal(tmp_path / "usage.json").load() == short
+    reopened = Journal(tmp_path / "usage.json")  # a restarted process keeps writing over the same file
+    reopened.write(Totals(epoch=1.0, prompt_tokens=4.0))
+    assert Journal(tmp_path / "usage.json").load() == Totals(epoch=1.0, prompt_tokens=4.0)
+
