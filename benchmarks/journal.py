@@ -1,7 +1,8 @@
 """Per-request bookkeeping: the counter journal and the usage records, each against the runtime without it.
 
 Three servers run at once in their own processes (relay.py's `tally` app over its model-free engine: plain,
-with `--journal-path`, with `--usage-records-file`) and take turns in every round; short requests make the
+with `--journal-path`, with `--usage-records-file`) and take turns in every round, each round starting with
+the next one; the median round is reported per server; short requests make the
 per-request write as visible as it can be. Reported: requests/s and server CPU per request, the ratios
 against the plain runtime, and the cost of one journal write and one record measured in this process.
 
@@ -84,8 +85,10 @@ def run(streams: list[int], tokens: list[int], total: int, repeats: int) -> dict
             for c in streams:
                 for t in tokens:
                     rounds: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
-                    for _ in range(repeats):
-                        for kind, (proc, port) in servers.items():
+                    for r in range(repeats):
+                        order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]  # no server always goes first
+                        for kind in order:
+                            proc, port = servers[kind]
                             rounds[kind].append(asyncio.run(requests(port, proc.pid, c, t, total)))
                     point = {k: sorted(v, key=lambda r: r["requests_per_s"])[len(v) // 2] for k, v in rounds.items()}
                     for kind in KINDS[1:]:
