@@ -47,8 +47,9 @@ def endpoint(meta: Mapping[str, Any], settings: OperatorSettings) -> str:
 
 
 def final_read_seconds(spec: Spec) -> int:
-    """How long a drained pod waits for the operator's last scrape: two scrape intervals and a margin."""
-    return 2 * spec.scrape_interval_seconds + 5
+    """How long a drained pod waits for the operator's last scrape: three scrape intervals and a margin
+    for a busy operator (a pod that leaves unread is counted unaccounted)."""
+    return 3 * spec.scrape_interval_seconds + 10
 
 
 def grace_seconds(spec: Spec) -> int:

@@ -50,7 +50,13 @@ def stream_through_shutdown(pod_ip: str, kube: Kubectl, pod_name: str) -> dict[s
 
 
 def exact(kube: Kubectl, sent: list[dict[str, int]], what: str, deadline: float = 60) -> dict[str, Any]:
-    usage = eventually(lambda: totals_match(kube, sent), deadline, interval=0.5, what=f"status.usage exact {what}")
+    clients = (len(sent), sum(u["prompt"] for u in sent), sum(u["completion"] for u in sent))
+    try:
+        usage = eventually(lambda: totals_match(kube, sent), deadline, interval=0.5, what=f"status.usage {what}")
+    except AssertionError as failure:
+        got = {k: v for k, v in (status(kube).get("usage") or {}).items() if k != "pods"}
+        raise AssertionError(f"{failure}; clients received (requests, prompt, completion) {clients}, "
+                             f"status.usage is {got}") from None
     return dict(usage)
 
 
