@@ -52,6 +52,8 @@ class Coalescing(Wrapper):
 
 
 class FailingAfter(Wrapper):
+    error: Exception = EngineError("injected engine fault")
+
     def __init__(self, inner: Any, deltas: int, trigger: str) -> None:
         super().__init__(inner)
         self.deltas = deltas
@@ -61,7 +63,7 @@ class FailingAfter(Wrapper):
         seen = 0
         async for delta in self.inner.generate(request):
             if self.trigger in self.inner.detokenize(request.prompt_ids) and seen == self.deltas:
-                raise EngineError("injected engine fault")
+                raise self.error
             seen += 1
             yield delta
 
@@ -74,18 +76,8 @@ class UsageBlind(Wrapper):
             yield Delta(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason)
 
 
-class Crashing(Wrapper):
+
+class Crashing(FailingAfter):
     """An engine failing with something other than EngineError (a bug, a lost connection) after `deltas`."""
 
-    def __init__(self, inner: Any, deltas: int, trigger: str) -> None:
-        super().__init__(inner)
-        self.deltas = deltas
-        self.trigger = trigger
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        seen = 0
-        async for delta in self.inner.generate(request):
-            if self.trigger in self.inner.detokenize(request.prompt_ids) and seen == self.deltas:
-                raise RuntimeError("unexpected engine failure")
-            seen += 1
-            yield delta
+    error = RuntimeError("unexpected engine failure")
