@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install bins sglang-env run serve test test-sglang unit lint bench up down env
+.PHONY: install bins images node-deps sglang-env run serve test test-sglang unit lint bench up down env
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,19 +16,25 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed  ## Python environment with every extra except sglang
 
-bins:  ## control-plane binaries from Go modules (cached under ~/.cache/tally)
+bins:  ## control-plane and node binaries from Go modules (cached under ~/.cache/tally)
 	hack/build.sh
+
+node-deps:  ## what the real node needs from Debian: runc, CNI plugins, iptables, mmdebstrap and buildah
+	hack/node-deps.sh
+
+images: install node-deps bins  ## the runtime, operator, client and pause images, built here (cached under ~/.cache/tally)
+	hack/images.sh
 
 serve: install  ## the runtime alone on 127.0.0.1:8000 with the embedded CPU model
 	$(VENV)/bin/tally-runtime serve
 
-run: install bins  ## the main job: cluster, chart, operator, an example service with real runtimes
+run: install bins images  ## the main job: cluster with a real node, chart, operator pods, example service, a completion
 	hack/demo.sh up
 
 sglang-env: install  ## real SGLang 0.5.23 in its own cached venv, and an HF checkpoint of the model
 	hack/sglang/env.sh
 
-test: install bins sglang-env  ## everything CI runs
+test: install bins images sglang-env  ## everything CI runs
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest
@@ -50,7 +56,7 @@ bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/READM
 	$(PY) benchmarks/operator_scale.py --services 0 --pods 50
 	$(PY) benchmarks/journal.py --streams 1 --tokens 1 --requests 100 --repeats 1
 
-up: bins  ## the local control plane alone
+up: bins images  ## the local cluster alone
 	hack/cluster.sh up
 
 down:  ## stop everything `make run` or `make up` started (and the test suite's cluster, if one was left up)

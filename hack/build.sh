@@ -16,6 +16,7 @@ K8S_VERSION=v1.36.3
 ETCD_VERSION=v3.6.14
 KWOK_VERSION=v0.8.0
 HELM_VERSION=v4.3.2
+CONTAINERD_VERSION=v2.4.2
 
 CACHE=${TALLY_CACHE:-$HOME/.cache/tally}
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-modcacherw
@@ -33,6 +34,7 @@ K8S_DIR=$BIN/kube-$K8S_VERSION-$(key kube "$HACK/kube/go.sum")
 ETCD_DIR=$BIN/etcd-$ETCD_VERSION-$(key etcd "$HACK/etcd/go.sum")
 KWOK_DIR=$BIN/kwok-$KWOK_VERSION-$(key kwok /dev/null)
 HELM_DIR=$BIN/helm-$HELM_VERSION-$(key helm /dev/null)
+CTRD_DIR=$BIN/containerd-$CONTAINERD_VERSION-$(key containerd /dev/null)
 LINK=$BIN/current
 
 if [[ ${1:-} == --print ]]; then echo "$LINK"; exit 0; fi
@@ -69,7 +71,8 @@ build_kube() {
   (cd "$HACK/kube" && go build -mod=readonly -trimpath -pgo=off -tags=selinux,notest,grpcnotrace \
     -ldflags "$(kube_ldflags)" -o "$OUT/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl \
+    k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy)
 }
 
 build_etcd() {
@@ -94,6 +97,14 @@ build_helm() {
     "helm.sh/helm/v4/cmd/helm@$HELM_VERSION"
 }
 
+build_containerd() { # the real node's container runtime (runc and CNI plugins come from Debian)
+  local c
+  for c in containerd containerd-shim-runc-v2 ctr; do
+    GOBIN=$OUT go install -trimpath -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION" \
+      "github.com/containerd/containerd/v2/cmd/$c@$CONTAINERD_VERSION"
+  done
+}
+
 exec 9>"$CACHE/.build.lock"
 flock 9
 
@@ -101,16 +112,17 @@ fresh "$ETCD_DIR" etcd "${ETCD_VERSION#v}" || build_into "$ETCD_DIR" build_etcd
 fresh "$K8S_DIR" kube-apiserver "$K8S_VERSION" || build_into "$K8S_DIR" build_kube
 fresh "$KWOK_DIR" kwok "${KWOK_VERSION#v}" || build_into "$KWOK_DIR" build_kwok
 fresh "$HELM_DIR" helm "$HELM_VERSION" version || build_into "$HELM_DIR" build_helm
+fresh "$CTRD_DIR" containerd "$CONTAINERD_VERSION" || build_into "$CTRD_DIR" build_containerd
 
 # One directory of symlinks so callers need a single PATH entry.
 tmp=$(mktemp -d "$BIN/.tmp.XXXXXX")
-for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR"; do
+for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR" "$CTRD_DIR"; do
   for f in "$d"/*; do ln -s "$f" "$tmp/$(basename "$f")"; done
 done
 rm -rf "$LINK"; mv -T "$tmp" "$LINK"
 
 # Keep only the newest two builds per component.
-for c in kube etcd kwok helm; do
+for c in kube etcd kwok helm containerd; do
   ls -dt "$BIN/$c"-* 2>/dev/null | tail -n +3 | xargs -r rm -rf
 done
 echo "$LINK"

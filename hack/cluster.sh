@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler and kwok (fake GPU nodes whose pod IPs are 127.x addresses).
+# A real Kubernetes cluster on one machine: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+# kwok (fake GPU nodes whose pod IPs are 127.x addresses) and a real node (hack/node.sh: containerd,
+# kubelet, kube-proxy) that runs the images hack/images.sh built.
 #
 #   hack/cluster.sh up     start it (idempotent: a healthy cluster is left as it is)
 #   hack/cluster.sh down   stop every process and delete the cluster's state
 #   hack/cluster.sh env    print `export KUBECONFIG=...` for this cluster
 #   hack/cluster.sh status exit 0 when the cluster is up and ready
 #
-# Everything binds and advertises 127.0.0.1: no traffic leaves loopback. State and logs live in
-# $TALLY_CLUSTER_DIR (default: .tally/cluster in the repository).
+# The cluster lives in a network namespace of its own (tally-<hash of its directory>): a bridge with the
+# node's address, a bridge for pods and a Service range, all in the benchmarking range 198.18.0.0/15 and with
+# no uplink, so nothing leaves the machine. The API server is reachable from this machine only through a
+# relay on a loopback port (hack/netns_relay.py); kubectl and helm use that. State and logs live in
+# $TALLY_CLUSTER_DIR (default: .tally/cluster in the repository); TALLY_REAL_NODE=0 leaves the node out.
 set -euo pipefail
 
 HACK=$(cd "$(dirname "$0")" && pwd)
@@ -29,13 +33,39 @@ GPU_NODES=${TALLY_GPU_NODES:-2}
 POD_NET=${TALLY_POD_NET:-127.10}
 KWOK_CIDR=${TALLY_KWOK_CIDR:-127.20.0.0/16}
 GPUS_PER_NODE=${TALLY_GPUS_PER_NODE:-8}
+REAL_NODE=${TALLY_REAL_NODE:-1}
+
+# Inside the namespace (the same addresses in every cluster's namespace: they never meet).
+NETNS=tally-$(echo "$DIR" | sha256sum | cut -c1-8)
+NODE_IP=198.18.0.1
+NODE_NAME=tally-node
+POD_CIDR=198.18.1.0/24
+POD_GW=198.18.1.1
+SERVICE_CIDR=198.19.0.0/24
+NS_API_PORT=6443
+IMAGES=${TALLY_IMAGES_DIR:-${TALLY_CACHE:-$HOME/.cache/tally}/images/current}
+NODE_GPUS=${TALLY_NODE_GPUS:-4}
+export DIR NETNS NODE_IP NODE_NAME POD_CIDR POD_GW PKI LOGS RUN IMAGES NODE_GPUS
 
 log() { echo "[cluster] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 bins() {
   BIN=$("$HACK/build.sh" 2>"$DIR/build.log" | tail -n 1) || { cat "$DIR/build.log" >&2; die "build failed"; }
-  export PATH="$BIN:$PATH"
+  export PATH="$BIN:$PATH" BIN
+}
+
+IN_NET=(nsenter --net="/run/netns/$NETNS" --)
+in_net() { "${IN_NET[@]}" "$@"; }
+
+net_up() {
+  ip netns list | grep -qw "$NETNS" || ip netns add "$NETNS"
+  ip -n "$NETNS" link set lo up
+  ip -n "$NETNS" link show tnode0 >/dev/null 2>&1 || ip -n "$NETNS" link add tnode0 type bridge
+  ip -n "$NETNS" addr replace "$NODE_IP/24" dev tnode0
+  ip -n "$NETNS" link set tnode0 up
+  # Service addresses are translated by kube-proxy; the route only lets the namespace's own clients send.
+  ip -n "$NETNS" route replace "$SERVICE_CIDR" dev tnode0
 }
 
 # wait_for <seconds> <description> <command...>: poll with a deadline, never a fixed sleep
@@ -66,32 +96,41 @@ make_pki() {
   mkdir -p "$PKI"; cd "$PKI"
   openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 3650 -subj "/CN=tally-local-ca" 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj "/CN=kube-apiserver" 2>/dev/null
-  printf 'subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\nextendedKeyUsage=serverAuth\n' > server.ext
+  printf 'subjectAltName=IP:127.0.0.1,IP:%s,IP:%s,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\nextendedKeyUsage=serverAuth\n' \
+    "$NODE_IP" "${SERVICE_CIDR%.0/*}.1" > server.ext
   openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out apiserver.crt -extfile server.ext 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -keyout admin.key -out admin.csr -subj "/O=system:masters/CN=tally-admin" 2>/dev/null
   printf 'extendedKeyUsage=clientAuth\n' > client.ext
   openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out admin.crt -extfile client.ext 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout node.key -out node.csr -subj "/O=system:nodes/CN=system:node:$NODE_NAME" 2>/dev/null
+  openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out node.crt -extfile client.ext 2>/dev/null
   openssl genrsa -out sa.key 2048 2>/dev/null
   openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
   rm -f ./*.csr
   cd - >/dev/null
 }
 
-write_kubeconfig() {
-  cat > "$KUBECONFIG_FILE" <<EOF
+kubeconfig() { # kubeconfig <server> <user>: admin (this machine and the control plane) or node (the kubelet)
+  cat <<KUBECONFIG
 apiVersion: v1
 kind: Config
 clusters:
 - name: tally-local
-  cluster: {server: "https://127.0.0.1:$API_PORT", certificate-authority: "$PKI/ca.crt"}
+  cluster: {server: "$1", certificate-authority: "$PKI/ca.crt"}
 users:
-- name: tally-admin
-  user: {client-certificate: "$PKI/admin.crt", client-key: "$PKI/admin.key"}
+- name: tally-$2
+  user: {client-certificate: "$PKI/$2.crt", client-key: "$PKI/$2.key"}
 contexts:
 - name: tally-local
-  context: {cluster: tally-local, user: tally-admin}
+  context: {cluster: tally-local, user: tally-$2}
 current-context: tally-local
-EOF
+KUBECONFIG
+}
+
+write_kubeconfigs() {
+  kubeconfig "https://127.0.0.1:$API_PORT" admin > "$KUBECONFIG_FILE"  # through the relay
+  kubeconfig "https://$NODE_IP:$NS_API_PORT" admin > "$DIR/cluster.kubeconfig"
+  kubeconfig "https://$NODE_IP:$NS_API_PORT" node > "$DIR/node.kubeconfig"
 }
 
 gpu_node() { # gpu_node <index>
@@ -115,6 +154,7 @@ spec:
   podCIDRs: [$POD_NET.$1.0/24]
   taints:
   - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
+  - {key: kwok.x-k8s.io/node, value: fake, effect: NoSchedule}  # only pods that ask for a fake node land here
 status:
   capacity: {cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "$GPUS_PER_NODE"}
   allocatable: {cpu: "64", memory: 512Gi, pods: "110", nvidia.com/gpu: "$GPUS_PER_NODE"}
@@ -126,57 +166,64 @@ EOF
 up() {
   mkdir -p "$DIR" "$LOGS" "$RUN"
   if alive kube-apiserver && api_ready; then
+    if [[ $REAL_NODE != 0 && -d $DIR/node ]]; then bins; "$HACK/node.sh" import; fi  # images may be newer
     log "already up; $(env_line)"; return
   fi
   down_processes
   bins
   make_pki
-  write_kubeconfig
+  write_kubeconfigs
+  net_up
   local t0=$SECONDS
-  start etcd etcd --name=node0 --data-dir="$DIR/etcd" --unsafe-no-fsync=true \
+  start etcd "${IN_NET[@]}" etcd --name=node0 --data-dir="$DIR/etcd" --unsafe-no-fsync=true \
     --listen-client-urls="http://127.0.0.1:$ETCD_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
     --listen-peer-urls="http://127.0.0.1:$((ETCD_PORT + 1))" \
     --initial-advertise-peer-urls="http://127.0.0.1:$((ETCD_PORT + 1))" \
     --initial-cluster="node0=http://127.0.0.1:$((ETCD_PORT + 1))" \
     --listen-metrics-urls="http://127.0.0.1:$((ETCD_PORT + 2))" --log-level=warn
-  wait_for 30 etcd curl -sf "http://127.0.0.1:$ETCD_PORT/health"
-  start kube-apiserver kube-apiserver --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$API_PORT" \
+  wait_for 30 etcd in_net curl -sf "http://127.0.0.1:$ETCD_PORT/health"
+  start kube-apiserver "${IN_NET[@]}" kube-apiserver --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --bind-address="$NODE_IP" --advertise-address="$NODE_IP" --secure-port="$NS_API_PORT" \
     --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" --client-ca-file="$PKI/ca.crt" \
     --service-account-issuer=https://kubernetes.default.svc.cluster.local \
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
-    --service-cluster-ip-range=10.0.0.0/24 --authorization-mode=Node,RBAC --allow-privileged=true \
-    --endpoint-reconciler-type=none --cert-dir="$DIR/apiserver-certs" --profiling=false
+    --service-cluster-ip-range="$SERVICE_CIDR" --authorization-mode=Node,RBAC --allow-privileged=true \
+    --kubelet-client-certificate="$PKI/admin.crt" --kubelet-client-key="$PKI/admin.key" \
+    --cert-dir="$DIR/apiserver-certs" --profiling=false
+  start api-relay python3 "$HACK/netns_relay.py" --netns "$NETNS" --listen "127.0.0.1:$API_PORT" \
+    --to "$NODE_IP:$NS_API_PORT"
   wait_for 90 kube-apiserver api_ready
-  local k=$KUBECONFIG_FILE
-  start kube-controller-manager kube-controller-manager --kubeconfig="$k" --authentication-kubeconfig="$k" \
+  local k=$DIR/cluster.kubeconfig
+  start kube-controller-manager "${IN_NET[@]}" kube-controller-manager --kubeconfig="$k" --authentication-kubeconfig="$k" \
     --authorization-kubeconfig="$k" --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --leader-elect=false \
     --root-ca-file="$PKI/ca.crt" --service-account-private-key-file="$PKI/sa.key" \
     --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
     --use-service-account-credentials=true --controllers='*,-nodeipam' \
     --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics
-  start kube-scheduler kube-scheduler --kubeconfig="$k" --authentication-kubeconfig="$k" \
+  start kube-scheduler "${IN_NET[@]}" kube-scheduler --kubeconfig="$k" --authentication-kubeconfig="$k" \
     --authorization-kubeconfig="$k" --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false \
     --authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics
-  start kwok kwok --kubeconfig="$k" --config="$BIN/kwok-stages.yaml" \
+  start kwok "${IN_NET[@]}" kwok --kubeconfig="$k" --config="$BIN/kwok-stages.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
     --node-ip=127.0.0.1 --node-port="$KWOK_PORT" --server-address="127.0.0.1:$KWOK_PORT" \
     --cidr="$KWOK_CIDR" --node-lease-duration-seconds=40
-  wait_for 60 kube-controller-manager curl -skf "https://127.0.0.1:$KCM_PORT/healthz"
-  wait_for 60 kube-scheduler curl -skf "https://127.0.0.1:$SCHED_PORT/healthz"
-  export KUBECONFIG=$k
+  wait_for 60 kube-controller-manager in_net curl -skf "https://127.0.0.1:$KCM_PORT/healthz"
+  wait_for 60 kube-scheduler in_net curl -skf "https://127.0.0.1:$SCHED_PORT/healthz"
+  export KUBECONFIG=$KUBECONFIG_FILE
   local i
   for ((i = 0; i < GPU_NODES; i++)); do
     kubectl get node "gpu-node-$i" >/dev/null 2>&1 || gpu_node "$i" | kubectl create -f - >/dev/null
   done
   wait_for 60 "GPU nodes Ready" kubectl wait --for=condition=Ready node --all --timeout=5s
   wait_for 60 "default ServiceAccount" kubectl get serviceaccount default -n default
+  [[ $REAL_NODE == 0 ]] || "$HACK/node.sh" up
   log "up in $((SECONDS - t0))s; $(env_line)"
 }
 
 down_processes() {
   local name pid
-  for name in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+  [[ ! -d $DIR/node ]] || "$HACK/node.sh" down
+  for name in kwok kube-scheduler kube-controller-manager api-relay kube-apiserver etcd; do
     [[ -f $RUN/$name.pid ]] || continue
     pid=$(cat "$RUN/$name.pid")
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
@@ -189,6 +236,7 @@ down_processes() {
 
 down() {
   down_processes
+  ! ip netns list | grep -qw "$NETNS" || ip netns delete "$NETNS"
   rm -rf "$DIR"
   log "down"
 }

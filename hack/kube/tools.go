@@ -1,6 +1,6 @@
 //go:build tools
 
-// Package tools pins the Kubernetes control-plane commands this module builds.
+// Package tools pins the Kubernetes control-plane and node commands this module builds.
 package tools
 
 import (
@@ -8,4 +8,6 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )

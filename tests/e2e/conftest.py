@@ -41,9 +41,11 @@ def kube(kubectl: Kubectl, namespace: str) -> Kubectl:
     return kubectl.in_namespace(namespace)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    """The chart installed (CRDs, RBAC, peering), and the operator running as the chart's ServiceAccount."""
+    """The chart installed (CRDs, RBAC, peering) without operator pods, and the operator running here as the
+    chart's ServiceAccount, so that it can reach the loopback runtimes of hack/pod_runner.py. Module-scoped:
+    the real node's tests (test_real_node.py) run the chart's own operator pods instead, never both."""
     install_chart(kubectl)
     folder = tmp_path_factory.mktemp("operator")
     process = OperatorProcess(chart_token_kubeconfig(kubectl, folder / "sa.kubeconfig"), folder / "operator.log")

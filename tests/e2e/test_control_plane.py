@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_harness import Kubectl, eventually, token_kubeconfig
+from kube_harness import FAKE_NODE_TOLERATIONS, Kubectl, eventually, token_kubeconfig
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +19,8 @@ def gpu_deployment(name: str, replicas: int, gpus: int) -> dict[str, Any]:
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
         "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
             "metadata": {"labels": labels},
-            "spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "spec": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                     *FAKE_NODE_TOLERATIONS],
                      "containers": [{"name": "c", "image": "tally-runtime:dev",
                                      "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}},
     }

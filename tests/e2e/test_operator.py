@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_harness import ROOT, Kubectl, eventually
+from kube_harness import FAKE_NODE_TOLERATIONS, ROOT, Kubectl, eventually
 from operator_harness import CHART, OperatorProcess
 
 pytestmark = pytest.mark.e2e
@@ -19,6 +19,7 @@ EXAMPLE = ROOT / "crds" / "examples" / "smollm-cpu.yaml"
 
 def example(**spec: Any) -> dict[str, Any]:
     manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"]["tolerations"] = FAKE_NODE_TOLERATIONS  # kwok's GPU nodes: scheduling, not running
     manifest["spec"].update(spec)
     return dict(manifest)
 

@@ -21,6 +21,10 @@ TEST_CLUSTER = {
     "TALLY_KWOK_PORT": "20347", "TALLY_POD_NET": "127.11", "TALLY_KWOK_CIDR": "127.21.0.0/16",
 }
 
+# kwok's GPU nodes carry a taint of their own besides the GPU one: only pods that ask for a fake node land
+# there (the CPU example otherwise schedules onto the cluster's real node).
+FAKE_NODE_TOLERATIONS = [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+
 
 def _cluster(command: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(HACK / "cluster.sh"), command], env={**os.environ, **TEST_CLUSTER}, text=True,

@@ -14,16 +14,19 @@ from runtime_harness import free_port, terminate
 CHART = ROOT / "charts" / "tally-operator"
 RELEASE = "tally-operator"
 NAMESPACE = "tally-system"
-GPU_TOLERATION = '[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]'
 
 
-def install_chart(kubectl: Kubectl) -> None:
+def install_chart(kubectl: Kubectl, replicas: int = 0, *settings: str) -> None:
+    """The chart, with `replicas` operator pods on the real node (none: the test runs its own operator)."""
     # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one.
     crd = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-                    "--set-json", f"tolerations={GPU_TOLERATION}", "--wait", "--timeout", "120s"],
-                   check=True, env=kubectl.env, capture_output=True, timeout=180)
+    sets = [arg for setting in (f"replicaCount={replicas}", *settings) for arg in ("--set", setting)]
+    done = subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+                           *sets, "--wait", "--timeout", "180s"],
+                          env=kubectl.env, capture_output=True, text=True, timeout=240)
+    if done.returncode != 0:
+        raise RuntimeError(f"helm upgrade failed: {done.stderr}")
 
 
 def chart_token_kubeconfig(kubectl: Kubectl, path: Path) -> Path:

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import openai
 import yaml
-from kube_harness import ROOT, Kubectl, eventually
+from kube_harness import FAKE_NODE_TOLERATIONS, ROOT, Kubectl, eventually
 
 sys.path.insert(0, str(ROOT / "hack"))
 from pod_runner import PodRunner, runtime_command
@@ -21,6 +21,7 @@ def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
     manifest["metadata"]["name"] = name
     manifest["spec"]["replicas"] = replicas
     manifest["spec"]["usageHealth"] = {"scrapeIntervalSeconds": 1}
+    manifest["spec"]["tolerations"] = FAKE_NODE_TOLERATIONS  # runtimes from hack/pod_runner.py, on kwok's nodes
     return dict(manifest)
 
 

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Build the images the real node runs, from the repository's Dockerfiles, without a registry or Docker:
+#
+#   hack/images.sh           build (or reuse) them; print the directory of image archives
+#   hack/images.sh --print   print that directory without building
+#
+# - base: a Debian bookworm root filesystem made by mmdebstrap (python3, venv), imported with buildah; it is
+#   the Dockerfiles' BASE here (users build FROM the public python image, the Dockerfiles' default).
+# - pause: hack/pause, the pod sandbox, built with Go.
+# - runtime and operator: runtime/Dockerfile and operator/Dockerfile built by buildah (--isolation chroot),
+#   with every wheel prebuilt on this machine (llama.cpp's comes from pip's wheel cache: nothing compiles).
+# - client: hack/client, the openai SDK for one-shot pods (the demo's completion, the tests' clients).
+#
+# Each lands as a docker-archive under ~/.cache/tally/images/, named by a hash of what went into it, and
+# $CACHE/images/current links the newest set. The node imports them into containerd (hack/node.sh).
+set -euo pipefail
+
+HACK=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(dirname "$HACK")
+CACHE=${TALLY_CACHE:-$HOME/.cache/tally}
+OUT=$CACHE/images
+CURRENT=$OUT/current
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+SUITE=bookworm
+MIRROR=${TALLY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+BASE_PACKAGES=python3,python3-venv,ca-certificates
+VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n 1)
+
+if [[ ${1:-} == --print ]]; then echo "$CURRENT"; exit 0; fi
+
+log() { echo "[images] $*" >&2; }
+mkdir -p "$OUT"
+exec 9>"$OUT/.lock"
+flock 9
+
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-modcacherw GOMODCACHE=$CACHE/gomod GOCACHE=$CACHE/gobuild
+BUILDAH=(buildah --root "$OUT/storage" --runroot "$OUT/run" --storage-driver vfs)
+
+hash_of() { sha256sum "$@" "$HACK/images.sh" | sha256sum | cut -c1-12; }
+
+sources_hash() { # what goes into the Python images: the tracked sources and the Dockerfile
+  (cd "$ROOT" && git ls-files -z pyproject.toml README.md runtime/tally_runtime operator/tally_operator "$1" \
+    | xargs -0 sha256sum) | sha256sum | cut -c1-12
+}
+
+build_base() { # $1: archive
+  local rootfs=$OUT/tmp/base-rootfs.tar
+  mkdir -p "$OUT/tmp"
+  local start=$SECONDS
+  mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$rootfs" "$MIRROR"
+  printf 'FROM scratch\nADD base-rootfs.tar /\nCMD ["/bin/bash"]\n' > "$OUT/tmp/Dockerfile"
+  "${BUILDAH[@]}" bud --quiet --isolation chroot -t "localhost/tally-base:$SUITE" -f "$OUT/tmp/Dockerfile" "$OUT/tmp" >/dev/null
+  rm -f "$rootfs"
+  touch "$1"
+  log "base image in $((SECONDS - start))s"
+}
+
+build_pause() { # $1: archive
+  local ctx=$OUT/tmp/pause
+  mkdir -p "$ctx"
+  (cd "$HACK/pause" && go build -trimpath -ldflags "-s -w" -o "$ctx/pause" .)
+  printf 'FROM scratch\nCOPY pause /pause\nENTRYPOINT ["/pause"]\n' > "$ctx/Dockerfile"
+  "${BUILDAH[@]}" bud --quiet --isolation chroot -t localhost/tally-pause:1 -f "$ctx/Dockerfile" "$ctx" >/dev/null
+  "${BUILDAH[@]}" push --quiet localhost/tally-pause:1 "docker-archive:$1:localhost/tally-pause:1"
+}
+
+build_python_image() { # <image name> <Dockerfile> <extras> <archive>
+  set -- "$4" "$1" "$2" "$3"
+  local ctx=$OUT/tmp/$2 start=$SECONDS
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  (cd "$ROOT" && git ls-files -z pyproject.toml README.md runtime operator | xargs -0 cp --parents -t "$ctx")
+  # Every wheel the image installs, so that the build neither compiles nor reaches an index.
+  "$PY" -m pip wheel --quiet --wheel-dir "$ctx/wheels" "$ROOT[$4]"
+  "${BUILDAH[@]}" bud --quiet --isolation chroot --build-arg "BASE=localhost/tally-base:$SUITE" \
+    --build-arg "EXTRAS=$4" -t "$2:$VERSION" -f "$ctx/$3" "$ctx" >/dev/null
+  "${BUILDAH[@]}" push --quiet "$2:$VERSION" "docker-archive:$1:$2:$VERSION"
+  rm -rf "$ctx"
+  log "$2:$VERSION in $((SECONDS - start))s"
+}
+
+build_client() { # <archive>
+  local ctx=$OUT/tmp/client
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  cp "$HACK/client/Dockerfile" "$HACK/client/demo_client.py" "$ctx/"
+  "$PY" -m pip wheel --quiet --wheel-dir "$ctx/wheels" "openai>=1.50"
+  "${BUILDAH[@]}" bud --quiet --isolation chroot --build-arg "BASE=localhost/tally-base:$SUITE" \
+    -t "tally-client:$VERSION" -f "$ctx/Dockerfile" "$ctx" >/dev/null
+  "${BUILDAH[@]}" push --quiet "tally-client:$VERSION" "docker-archive:$1:tally-client:$VERSION"
+  rm -rf "$ctx"
+}
+
+ready() { [[ -s $1 ]]; }
+
+built() { # built <archive> <builder> <args...>: build into a temporary name, then rename
+  local archive=$1; shift
+  ready "$archive" && return
+  rm -f "$archive.tmp"
+  "$@" "$archive.tmp"
+  mv -f "$archive.tmp" "$archive"
+}
+
+BASE=$OUT/base-$SUITE-$(echo "$BASE_PACKAGES" | hash_of -).done
+# The base lives in buildah's storage; the marker is only trusted when the image is still there.
+"${BUILDAH[@]}" inspect --type image "localhost/tally-base:$SUITE" >/dev/null 2>&1 || rm -f "$BASE"
+[[ -e $BASE ]] || { rm -f "$OUT"/base-*.done; build_base "$BASE.tmp"; mv "$BASE.tmp" "$BASE"; }
+base_key=$(basename "$BASE" .done)
+
+PAUSE=$OUT/pause-$(hash_of "$HACK/pause/main.go").tar
+RUNTIME=$OUT/runtime-$VERSION-$( (sources_hash runtime/Dockerfile; echo "$base_key") | hash_of -).tar
+OPERATOR=$OUT/operator-$VERSION-$( (sources_hash operator/Dockerfile; echo "$base_key") | hash_of -).tar
+CLIENT=$OUT/client-$VERSION-$( (cat "$HACK"/client/*; echo "$base_key") | hash_of -).tar
+built "$PAUSE" build_pause
+[[ -x $PY ]] || { log "no $PY: run make install first"; exit 1; }
+built "$RUNTIME" build_python_image tally-runtime runtime/Dockerfile runtime,cpu
+built "$OPERATOR" build_python_image tally-operator operator/Dockerfile operator
+built "$CLIENT" build_client
+
+tmp=$(mktemp -d "$OUT/.current.XXXXXX")
+ln -s "$PAUSE" "$tmp/pause.tar"; ln -s "$RUNTIME" "$tmp/runtime.tar"; ln -s "$OPERATOR" "$tmp/operator.tar"
+ln -s "$CLIENT" "$tmp/client.tar"
+echo localhost/tally-pause:1 > "$tmp/pause.name"
+rm -rf "$CURRENT"; mv -T "$tmp" "$CURRENT"
+# Keep the two newest archives of each image; drop buildah's copies (the archives are what the node imports).
+for c in pause runtime operator client; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
+"${BUILDAH[@]}" rmi --quiet "tally-runtime:$VERSION" "tally-operator:$VERSION" "tally-client:$VERSION" \
+  localhost/tally-pause:1 >/dev/null 2>&1 || true
+echo "$CURRENT"

@@ -1,0 +1,3 @@
+module tally.local/hack/pause
+
+go 1.26.0
