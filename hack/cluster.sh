@@ -70,9 +70,10 @@ net_up() {
 
 # wait_for <seconds> <description> <command...>: poll with a deadline, never a fixed sleep
 wait_for() {
-  local deadline=$((SECONDS + $1)) what=$2; shift 2
+  local seconds=$1 what=$2; shift 2
+  local deadline=$((SECONDS + seconds))
   until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || die "timed out after $1s waiting for $what (logs: $LOGS)"
+    ((SECONDS < deadline)) || die "timed out after ${seconds}s waiting for $what (logs: $LOGS)"
     sleep 0.2
   done
 }
@@ -189,6 +190,7 @@ up() {
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
     --service-cluster-ip-range="$SERVICE_CIDR" --authorization-mode=Node,RBAC --allow-privileged=true \
     --kubelet-client-certificate="$PKI/admin.crt" --kubelet-client-key="$PKI/admin.key" \
+    --kubelet-preferred-address-types=InternalIP \
     --cert-dir="$DIR/apiserver-certs" --profiling=false
   start api-relay python3 "$HACK/netns_relay.py" --netns "$NETNS" --listen "127.0.0.1:$API_PORT" \
     --to "$NODE_IP:$NS_API_PORT"

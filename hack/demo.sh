@@ -10,15 +10,17 @@ set -euo pipefail
 
 HACK=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HACK")
+DIR=${TALLY_CLUSTER_DIR:-$ROOT/.tally/cluster}
 NS=demo
 RELEASE=tally-operator
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n 1)
 log() { echo "[demo] $*" >&2; }
 
 wait_until() { # wait_until <seconds> <description> <command...>
-  local deadline=$((SECONDS + $1)) what=$2; shift 2
+  local seconds=$1 what=$2; shift 2
+  local deadline=$((SECONDS + seconds))
   until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || { log "$what: not reached in $1s"; kubectl get pods -A -o wide >&2; exit 1; }
+    ((SECONDS < deadline)) || { log "$what: not reached in ${seconds}s"; kubectl get pods -A -o wide >&2; exit 1; }
     sleep 1
   done
 }
@@ -41,6 +43,14 @@ up() {
     --set replicaCount=2 --set statusIntervalSeconds=2 --wait --timeout 180s >/dev/null
   kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null
   kubectl apply -n "$NS" -f "$ROOT/crds/examples/smollm-cpu.yaml" >/dev/null
+  # Rebuilt images keep their tags: pods of a demo that was already up restart onto them.
+  local images; images=$(readlink "$("$HACK/images.sh" --print)"/*.tar | sort | sha256sum)
+  if [[ -f $DIR/images && $(cat "$DIR/images") != "$images" ]]; then
+    log "images changed: restarting the operator and the example's pods"
+    kubectl rollout restart -n tally-system "deployment/$RELEASE" >/dev/null
+    kubectl rollout restart -n "$NS" deployment/smollm >/dev/null 2>&1 || true
+  fi
+  echo "$images" > "$DIR/images"
   log "waiting for the CompletionService to be Ready and UsageHealthy"
   wait_until 300 "smollm Ready and UsageHealthy" ready_and_healthy
   local ip; ip=$(kubectl get service smollm -n "$NS" -o jsonpath='{.spec.clusterIP}')

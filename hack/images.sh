@@ -4,7 +4,7 @@
 #   hack/images.sh           build (or reuse) them; print the directory of image archives
 #   hack/images.sh --print   print that directory without building
 #
-# - base: a Debian bookworm root filesystem made by mmdebstrap (python3, venv), imported with buildah; it is
+# - base: a Debian bookworm root filesystem made by mmdebstrap (python3, venv, libgomp1), imported with buildah; it is
 #   the Dockerfiles' BASE here (users build FROM the public python image, the Dockerfiles' default).
 # - pause: hack/pause, the pod sandbox, built with Go.
 # - runtime and operator: runtime/Dockerfile and operator/Dockerfile built by buildah (--isolation chroot),
@@ -23,7 +23,7 @@ CURRENT=$OUT/current
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 SUITE=bookworm
 MIRROR=${TALLY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-BASE_PACKAGES=python3,python3-venv,ca-certificates
+BASE_PACKAGES=python3,python3-venv,ca-certificates,libgomp1
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n 1)
 
 if [[ ${1:-} == --print ]]; then echo "$CURRENT"; exit 0; fi
@@ -99,7 +99,7 @@ built() { # built <archive> <builder> <args...>: build into a temporary name, th
   mv -f "$archive.tmp" "$archive"
 }
 
-BASE=$OUT/base-$SUITE-$(echo "$BASE_PACKAGES" | hash_of -).done
+BASE=$OUT/base-$SUITE-$(echo "$MIRROR $BASE_PACKAGES" | sha256sum | cut -c1-12).done
 # The base lives in buildah's storage; the marker is only trusted when the image is still there.
 "${BUILDAH[@]}" inspect --type image "localhost/tally-base:$SUITE" >/dev/null 2>&1 || rm -f "$BASE"
 [[ -e $BASE ]] || { rm -f "$OUT"/base-*.done; build_base "$BASE.tmp"; mv "$BASE.tmp" "$BASE"; }

@@ -44,7 +44,7 @@ async def serve(listener: socket.socket, host: str, port: int) -> None:
     async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
             upstream_r, upstream_w = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             client_w.close()
             return
         await asyncio.gather(pipe(client_r, upstream_w), pipe(upstream_r, client_w))

@@ -21,9 +21,10 @@ log() { echo "[node] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 wait_for() { # wait_for <seconds> <description> <command...>
-  local deadline=$((SECONDS + $1)) what=$2; shift 2
+  local seconds=$1 what=$2; shift 2
+  local deadline=$((SECONDS + seconds))
   until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || die "timed out after $1s waiting for $what (logs: $LOGS)"
+    ((SECONDS < deadline)) || die "timed out after ${seconds}s waiting for $what (logs: $LOGS)"
     sleep 0.2
   done
 }
@@ -56,7 +57,8 @@ make_cgroups() {
 }
 
 # The mount namespace: sysfs of the node's network namespace (the CNI bridge plugin reads it), the machine's
-# cgroup mounts moved in on top, and the sysctls kubelet insists on, as files that read its values.
+# cgroup mounts moved in on top, the sysctls kubelet insists on as files that read its values, and tmpfs
+# over the fixed scratch paths of containerd, runc and CNI.
 holder_script() {
   cat <<EOF
 set -e
@@ -71,6 +73,11 @@ for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_
   if [ "\$(cat /proc/sys/\$f)" != "\$v" ]; then
     echo "\$v" > $NODE/sysctl/\${f//\//.}; mount --bind $NODE/sysctl/\${f//\//.} /proc/sys/\$f
   fi
+done
+# Scratch that containerd, runc and CNI keep at fixed paths: private to the node, gone with it.
+for d in /run/containerd /run/netns /var/lib/cni; do
+  [ -d \$d ] || { mkdir -p \$d; echo \$d >> $NODE/created-dirs; }
+  mount -t tmpfs -o mode=0755 tmpfs \$d
 done
 touch $NODE/holder.ready
 exec sleep infinity
@@ -165,8 +172,9 @@ import_images() {
   local archive
   for archive in "$IMAGES"/*.tar; do
     [[ -e $archive ]] || continue
-    ctr --address "$SOCK" -n k8s.io images import "$archive" >/dev/null \
-      || die "importing $archive failed"
+    # (ctr warns on every call that cgroup v1 is deprecated: shown only when the import fails)
+    ctr --address "$SOCK" -n k8s.io images import "$archive" >"$LOGS/import.log" 2>&1 \
+      || { cat "$LOGS/import.log" >&2; die "importing $archive failed"; }
   done
 }
 
@@ -229,6 +237,7 @@ down() {
   done
   rm -f "$HOLDER_PID"
   local d
+  [[ ! -f $NODE/created-dirs ]] || xargs -r rmdir < "$NODE/created-dirs" 2>/dev/null || true
   for d in $(cgroup_dirs); do
     [[ -d $d ]] || continue
     find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true

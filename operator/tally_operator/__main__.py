@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import random
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +15,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--namespace", action="append", default=[],
                         help="watch only this namespace (repeatable); default: the whole cluster")
     parser.add_argument("--standalone", action="store_true", help="run without peering (one instance only)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority: the highest live one works, the others stand by (default: random, "
+                             "so that replicas never tie; peers of equal priority all pause)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -26,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace, namespaces=args.namespace, standalone=args.standalone,
         liveness_endpoint=args.liveness,
+        priority=args.priority if args.priority is not None else random.randint(1, 2**31 - 1),
     ))
 
 

@@ -48,6 +48,16 @@ def cluster_env() -> dict[str, str]:
     return {**os.environ, "KUBECONFIG": kubeconfig, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
+def node_ctr(env: dict[str, str], *args: str) -> str:
+    """containerd's own client against the tests' real node (what only the node's owner can do: kill a task)."""
+    socket = Path(TEST_CLUSTER["TALLY_CLUSTER_DIR"]) / "node" / "run" / "containerd.sock"
+    done = subprocess.run(["ctr", "--address", str(socket), "-n", "k8s.io", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"ctr {' '.join(args)} failed: {done.stderr}")
+    return done.stdout
+
+
 class Kubectl:
     def __init__(self, env: dict[str, str], namespace: str | None = None) -> None:
         self.env = env
