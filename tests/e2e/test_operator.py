@@ -19,7 +19,7 @@ EXAMPLE = ROOT / "crds" / "examples" / "smollm-cpu.yaml"
 
 def example(**spec: Any) -> dict[str, Any]:
     manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["spec"]["tolerations"] = FAKE_NODE_TOLERATIONS  # kwok's GPU nodes: scheduling, not running
+    manifest["spec"]["scheduling"] = {"tolerations": FAKE_NODE_TOLERATIONS}  # kwok's GPU nodes
     manifest["spec"].update(spec)
     return dict(manifest)
 

@@ -21,7 +21,7 @@ def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
     manifest["metadata"]["name"] = name
     manifest["spec"]["replicas"] = replicas
     manifest["spec"]["usageHealth"] = {"scrapeIntervalSeconds": 1}
-    manifest["spec"]["tolerations"] = FAKE_NODE_TOLERATIONS  # runtimes from hack/pod_runner.py, on kwok's nodes
+    manifest["spec"]["scheduling"] = {"tolerations": FAKE_NODE_TOLERATIONS}  # pod_runner.py serves kwok's pods
     return dict(manifest)
 
 
