@@ -122,6 +122,8 @@ echo localhost/tally-pause:1 > "$tmp/pause.name"
 rm -rf "$CURRENT"; mv -T "$tmp" "$CURRENT"
 # Keep the two newest archives of each image; drop buildah's copies (the archives are what the node imports).
 for c in pause runtime operator client; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
-"${BUILDAH[@]}" rmi --quiet "tally-runtime:$VERSION" "tally-operator:$VERSION" "tally-client:$VERSION" \
-  localhost/tally-pause:1 >/dev/null 2>&1 || true
+for image in "tally-runtime:$VERSION" "tally-operator:$VERSION" "tally-client:$VERSION" localhost/tally-pause:1; do
+  "${BUILDAH[@]}" rmi "$image" >/dev/null 2>&1 || true
+done
+"${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true  # the build stages' untagged images
 echo "$CURRENT"
