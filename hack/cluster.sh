@@ -68,15 +68,8 @@ net_up() {
   ip -n "$NETNS" route replace "$SERVICE_CIDR" dev tnode0
 }
 
-# wait_for <seconds> <description> <command...>: poll with a deadline, never a fixed sleep
-wait_for() {
-  local seconds=$1 what=$2; shift 2
-  local deadline=$((SECONDS + seconds))
-  until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || die "timed out after ${seconds}s waiting for $what (logs: $LOGS)"
-    sleep 0.2
-  done
-}
+# shellcheck source=lib.sh
+source "$HACK/lib.sh"
 
 api_ready() {
   curl -sf --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \

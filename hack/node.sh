@@ -20,14 +20,8 @@ HOLDER_PID=$RUN/node-holder.pid
 log() { echo "[node] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-wait_for() { # wait_for <seconds> <description> <command...>
-  local seconds=$1 what=$2; shift 2
-  local deadline=$((SECONDS + seconds))
-  until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || die "timed out after ${seconds}s waiting for $what (logs: $LOGS)"
-    sleep 0.2
-  done
-}
+# shellcheck source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
 holder() { cat "$HOLDER_PID" 2>/dev/null; }
 in_node() { nsenter -t "$(holder)" -m -n -- "$@"; }  # the node's mount and network namespaces
