@@ -5,13 +5,15 @@
 #
 #   hack/cluster.sh up     start it (idempotent: a healthy cluster is left as it is)
 #   hack/cluster.sh down   stop every process and delete the cluster's state
-#   hack/cluster.sh env    print `export KUBECONFIG=...` for this cluster
+#   hack/cluster.sh env    print `export KUBECONFIG=... TALLY_PROXY=...` for this cluster
 #   hack/cluster.sh status exit 0 when the cluster is up and ready
 #
 # The cluster lives in a network namespace of its own (tally-<hash of its directory>): a bridge with the
 # node's address, a bridge for pods and a Service range, all in the benchmarking range 198.18.0.0/15 and with
 # no uplink, so nothing leaves the machine. The API server is reachable from this machine only through a
-# relay on a loopback port (hack/netns_relay.py); kubectl and helm use that. State and logs live in
+# relay on a loopback port (hack/netns_relay.py); kubectl and helm use that. Pods and Services are reachable
+# through a SOCKS5 relay on another loopback port ($TALLY_PROXY: `curl --proxy "$TALLY_PROXY" http://<ClusterIP>:8000/health`,
+# httpx's `proxy=`). State and logs live in
 # $TALLY_CLUSTER_DIR (default: .tally/cluster in the repository); TALLY_REAL_NODE=0 leaves the node out.
 set -euo pipefail
 
@@ -24,12 +26,13 @@ RUN=$DIR/run
 KUBECONFIG_FILE=$DIR/admin.kubeconfig
 ETCD_PORT=${TALLY_ETCD_PORT:-23790}
 API_PORT=${TALLY_API_PORT:-16443}
+PROXY_PORT=${TALLY_PROXY_PORT:-16480}
 KCM_PORT=${TALLY_KCM_PORT:-20257}
 SCHED_PORT=${TALLY_SCHEDULER_PORT:-20259}
 KWOK_PORT=${TALLY_KWOK_PORT:-20247}
 GPU_NODES=${TALLY_GPU_NODES:-2}
-# Pod IPs are $POD_NET.<node>.x: a second cluster (the test suite's) uses other addresses, so runtimes
-# started on one cluster's pod IPs never collide with the other's.
+# kwok's fake pods get IPs in $KWOK_CIDR (nothing listens there: only the real node's pods serve); a second
+# cluster (the test suite's) picks other ones so that the two never look alike.
 POD_NET=${TALLY_POD_NET:-127.10}
 KWOK_CIDR=${TALLY_KWOK_CIDR:-127.20.0.0/16}
 GPUS_PER_NODE=${TALLY_GPUS_PER_NODE:-8}
@@ -84,6 +87,8 @@ start() {
 }
 
 alive() { [[ -f $RUN/$1.pid ]] && kill -0 "$(cat "$RUN/$1.pid")" 2>/dev/null; }
+
+start_proxy() { alive pod-relay || start pod-relay python3 "$HACK/netns_relay.py" --netns "$NETNS" --listen "127.0.0.1:$PROXY_PORT" --socks; }
 
 make_pki() {
   [[ -f $PKI/admin.crt ]] && return
@@ -161,6 +166,7 @@ up() {
   mkdir -p "$DIR" "$LOGS" "$RUN"
   if alive kube-apiserver && api_ready; then
     if [[ $REAL_NODE != 0 && -d $DIR/node ]]; then bins; "$HACK/node.sh" import; fi  # images may be newer
+    start_proxy
     log "already up; $(env_line)"; return
   fi
   down_processes
@@ -187,6 +193,7 @@ up() {
     --cert-dir="$DIR/apiserver-certs" --profiling=false
   start api-relay python3 "$HACK/netns_relay.py" --netns "$NETNS" --listen "127.0.0.1:$API_PORT" \
     --to "$NODE_IP:$NS_API_PORT"
+  start_proxy
   wait_for 90 kube-apiserver api_ready
   local k=$DIR/cluster.kubeconfig
   start kube-controller-manager "${IN_NET[@]}" kube-controller-manager --kubeconfig="$k" --authentication-kubeconfig="$k" \
@@ -218,7 +225,7 @@ up() {
 down_processes() {
   local name pid
   [[ ! -d $DIR/node ]] || "$HACK/node.sh" down
-  for name in kwok kube-scheduler kube-controller-manager api-relay kube-apiserver etcd; do
+  for name in kwok kube-scheduler kube-controller-manager pod-relay api-relay kube-apiserver etcd; do
     [[ -f $RUN/$name.pid ]] || continue
     pid=$(cat "$RUN/$name.pid")
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
@@ -236,7 +243,7 @@ down() {
   log "down"
 }
 
-env_line() { echo "export KUBECONFIG=$KUBECONFIG_FILE"; }
+env_line() { echo "export KUBECONFIG=$KUBECONFIG_FILE TALLY_PROXY=socks5://127.0.0.1:$PROXY_PORT"; }
 
 case ${1:-} in
   up) up ;;

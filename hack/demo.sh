@@ -63,6 +63,7 @@ up() {
   kubectl get pods -n tally-system -o wide
   kubectl get pods -n "$NS" -o wide
   kubectl get completionservices -n "$NS"
+  log "from this machine, through the cluster's SOCKS relay: curl --proxy $TALLY_PROXY http://$ip:8000/v1/models"
   log "up. $("$HACK/cluster.sh" env); take it all down with: make down"
 }
 

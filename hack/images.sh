@@ -10,6 +10,7 @@
 # - runtime and operator: runtime/Dockerfile and operator/Dockerfile built by buildah (--isolation chroot),
 #   with every wheel prebuilt on this machine (llama.cpp's comes from pip's wheel cache: nothing compiles).
 # - client: hack/client, the openai SDK for one-shot pods (the demo's completion, the tests' clients).
+# - runtime-fakes (tests only): the runtime image with tests/fakes/sglang, SGLang's contract fake, as `sglang`.
 #
 # Each lands as a docker-archive under ~/.cache/tally/images/, named by a hash of what went into it, and
 # $CACHE/images/current links the newest set. The node imports them into containerd (hack/node.sh).
@@ -89,6 +90,20 @@ build_client() { # <archive>
   rm -rf "$ctx"
 }
 
+build_fakes() { # <archive>: FROM the runtime image (taken back from its archive when buildah no longer has it)
+  local ctx=$OUT/tmp/fakes start=$SECONDS
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  (cd "$ROOT" && git ls-files -z tests/fakes | xargs -0 cp --parents -t "$ctx")
+  "$PY" -m pip wheel --quiet --wheel-dir "$ctx/wheels" "msgspec>=0.18"
+  "${BUILDAH[@]}" inspect --type image "tally-runtime:$VERSION" >/dev/null 2>&1 \
+    || "${BUILDAH[@]}" pull --quiet "docker-archive:$RUNTIME" >/dev/null
+  "${BUILDAH[@]}" bud --quiet --isolation chroot --build-arg "RUNTIME=tally-runtime:$VERSION" \
+    -t "tally-runtime-fakes:$VERSION" -f "$ctx/tests/fakes/Dockerfile" "$ctx" >/dev/null
+  "${BUILDAH[@]}" push --quiet "tally-runtime-fakes:$VERSION" "docker-archive:$1:tally-runtime-fakes:$VERSION"
+  rm -rf "$ctx"
+  log "tally-runtime-fakes:$VERSION in $((SECONDS - start))s"
+}
+
 ready() { [[ -s $1 ]]; }
 
 built() { # built <archive> <builder> <args...>: build into a temporary name, then rename
@@ -109,20 +124,22 @@ PAUSE=$OUT/pause-$(hash_of "$HACK/pause/main.go").tar
 RUNTIME=$OUT/runtime-$VERSION-$( (sources_hash runtime/Dockerfile; echo "$base_key") | hash_of -).tar
 OPERATOR=$OUT/operator-$VERSION-$( (sources_hash operator/Dockerfile; echo "$base_key") | hash_of -).tar
 CLIENT=$OUT/client-$VERSION-$( (cat "$HACK"/client/*; echo "$base_key") | hash_of -).tar
+FAKES=$OUT/fakes-$VERSION-$( (cd "$ROOT" && git ls-files -z tests/fakes | xargs -0 cat; basename "$RUNTIME") | hash_of -).tar
 built "$PAUSE" build_pause
 [[ -x $PY ]] || { log "no $PY: run make install first"; exit 1; }
 built "$RUNTIME" build_python_image tally-runtime runtime/Dockerfile runtime,cpu
 built "$OPERATOR" build_python_image tally-operator operator/Dockerfile operator
 built "$CLIENT" build_client
+built "$FAKES" build_fakes
 
 tmp=$(mktemp -d "$OUT/.current.XXXXXX")
 ln -s "$PAUSE" "$tmp/pause.tar"; ln -s "$RUNTIME" "$tmp/runtime.tar"; ln -s "$OPERATOR" "$tmp/operator.tar"
-ln -s "$CLIENT" "$tmp/client.tar"
+ln -s "$CLIENT" "$tmp/client.tar"; ln -s "$FAKES" "$tmp/fakes.tar"
 echo localhost/tally-pause:1 > "$tmp/pause.name"
 rm -rf "$CURRENT"; mv -T "$tmp" "$CURRENT"
 # Keep the two newest archives of each image; drop buildah's copies (the archives are what the node imports).
-for c in pause runtime operator client; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
-for image in "tally-runtime:$VERSION" "tally-operator:$VERSION" "tally-client:$VERSION" localhost/tally-pause:1; do
+for c in pause runtime operator client fakes; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
+for image in tally-{runtime,runtime-fakes,operator,client}:"$VERSION" localhost/tally-pause:1; do
   "${BUILDAH[@]}" rmi "$image" >/dev/null 2>&1 || true
 done
 "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true  # the build stages' untagged images

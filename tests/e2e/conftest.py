@@ -1,16 +1,16 @@
-"""Session fixtures for end-to-end tests: one real control plane per run, a fresh namespace per test."""
+"""Session fixtures for end-to-end tests: one real control plane per run, a fresh namespace per test, and the
+chart's operator as pods on the cluster's real node."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up
-from operator_harness import OperatorProcess, chart_token_kubeconfig, install_chart
-from usage_harness import PodRunner, runtime_command
+from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up, node_ctr
+from operator_harness import ChartOperator, install_chart
+
+OPERATOR_REPLICAS = 2
 
 
 @pytest.fixture(scope="session")
@@ -41,31 +41,24 @@ def kube(kubectl: Kubectl, namespace: str) -> Kubectl:
     return kubectl.in_namespace(namespace)
 
 
-@pytest.fixture(scope="module")
-def operator(kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    """The chart installed (CRDs, RBAC, peering) without operator pods, and the operator running here as the
-    chart's ServiceAccount, so that it can reach the loopback runtimes of hack/pod_runner.py. Module-scoped:
-    the real node's tests (test_real_node.py) run the chart's own operator pods instead, never both."""
-    install_chart(kubectl)
-    folder = tmp_path_factory.mktemp("operator")
-    process = OperatorProcess(chart_token_kubeconfig(kubectl, folder / "sa.kubeconfig"), folder / "operator.log")
-    process.start()
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def runner(kube_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodRunner]:
-    overrides: dict[str, Any] = {}
-
-    def command_for(pod: dict[str, Any]) -> list[str] | None:
-        hook = overrides.get(pod["metadata"]["namespace"])
-        return hook(pod) if hook else runtime_command(pod)
-
-    pods = PodRunner(kube_env, tmp_path_factory.mktemp("pods"), command_for=command_for)
-    pods.overrides = overrides  # type: ignore[attr-defined]
-    thread = threading.Thread(target=pods.run, daemon=True)
-    thread.start()
+@pytest.fixture(scope="session")
+def operator(kubectl: Kubectl) -> Iterator[ChartOperator]:
+    """The chart installed as a user would, its operator two pods of the operator image (peering), with fast
+    status and reconcile intervals; scaled to none when the session ends."""
+    install_chart(kubectl, OPERATOR_REPLICAS, "statusIntervalSeconds=1", "reconcileIntervalSeconds=3")
+    pods = ChartOperator(kubectl, OPERATOR_REPLICAS)
+    pods.ready()
     yield pods
-    pods.close()
-    thread.join(timeout=30)
+    install_chart(kubectl, 0)
+
+
+@pytest.fixture
+def frozen() -> Iterator[list[tuple[dict[str, str], str]]]:
+    """Containers the test froze (cgroup freezer, through containerd); thawed whatever the outcome."""
+    held: list[tuple[dict[str, str], str]] = []
+    yield held
+    for env, container in held:
+        try:
+            node_ctr(env, "tasks", "resume", container)
+        except RuntimeError:  # the container is gone (its pod deleted or restarted): nothing is frozen
+            pass

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kube_harness import FAKE_NODE_TOLERATIONS, ROOT, Kubectl, eventually
-from operator_harness import CHART, OperatorProcess
+from operator_harness import CHART, ChartOperator
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +45,7 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
-def test_chart_watching_namespaces_grants_roles_only_there(operator: OperatorProcess, kubectl: Kubectl,
+def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperator, kubectl: Kubectl,
                                                            namespace: str) -> None:
     """A namespaced install: RBAC and peering in the watched namespace only. (The operator fixture installed
     the chart, so kopf's peering CRDs exist for the server's dry run.)"""
@@ -68,7 +67,7 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: OperatorPro
     assert server.returncode == 0, server.stderr
 
 
-def test_example_becomes_ready_with_gpu_pods(operator: OperatorProcess, kube: Kubectl, namespace: str) -> None:
+def test_example_becomes_ready_with_gpu_pods(operator: ChartOperator, kube: Kubectl, namespace: str) -> None:
     kube.apply(example())
     ready = eventually(lambda: (r := condition(kube, "Ready")).get("status") == "True" and r, 90, what="Ready=True")
     assert ready["reason"] == "AllReplicasReady"
@@ -86,7 +85,7 @@ def test_example_becomes_ready_with_gpu_pods(operator: OperatorProcess, kube: Ku
     assert any(e["reason"] == "ReadyTrue" for e in events)
 
 
-def test_scale_subresource(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_scale_subresource(operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(example())
     eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
     kube("scale", "completionservice", "smollm", "--replicas=1")
@@ -97,7 +96,7 @@ def test_scale_subresource(operator: OperatorProcess, kube: Kubectl) -> None:
     assert status["selector"] == "serving.tally.dev/completionservice=smollm"
 
 
-def test_spec_change_rolls_out(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_spec_change_rolls_out(operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(example())
     eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
     kube("patch", "completionservice", "smollm", "--type=merge", "-p", '{"spec":{"engine":{"contextLength":1024}}}')
@@ -113,7 +112,7 @@ def test_spec_change_rolls_out(operator: OperatorProcess, kube: Kubectl) -> None
     assert cs["status"]["updatedReplicas"] == 2
 
 
-def test_more_gpus_than_any_node_is_unschedulable(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_more_gpus_than_any_node_is_unschedulable(operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(example(replicas=1, resources={"gpus": 16, "cpu": "1", "memory": "1Gi"}))
     progressing = eventually(lambda: (p := condition(kube, "Progressing")).get("reason") == "Unschedulable" and p,
                              60, what="Progressing/Unschedulable")
@@ -126,7 +125,7 @@ def test_more_gpus_than_any_node_is_unschedulable(operator: OperatorProcess, kub
     pytest.param({"engine": {"kind": "sglang", "tensorParallelSize": 2}, "model": {"name": "m", "path": "/m"},
                   "resources": {"gpus": 3}}, "GPUsNotDivisible", id="gpus-vs-tp"),
 ])
-def test_invalid_spec_is_ready_false_with_event(operator: OperatorProcess, kube: Kubectl, spec: dict[str, Any],
+def test_invalid_spec_is_ready_false_with_event(operator: ChartOperator, kube: Kubectl, spec: dict[str, Any],
                                                 reason: str) -> None:
     kube.apply(example(**spec))
     ready = eventually(lambda: (r := condition(kube, "Ready")).get("reason") == reason and r, 60,
@@ -138,14 +137,14 @@ def test_invalid_spec_is_ready_false_with_event(operator: OperatorProcess, kube:
     assert kube("get", "deployment", "smollm", check=False) == ""
 
 
-def test_schema_rules_reject_bad_specs(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_schema_rules_reject_bad_specs(operator: ChartOperator, kube: Kubectl) -> None:
     bad = example(engine={"kind": "sglang"}, resources={"gpus": 0})
     done = subprocess.run(["kubectl", "-n", kube.namespace or "", "apply", "-f", "-"], input=json.dumps(bad),
                           text=True, capture_output=True, env=kube.env)
     assert done.returncode != 0 and "at least one GPU" in done.stderr
 
 
-def test_deleting_the_resource_collects_children(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_deleting_the_resource_collects_children(operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(example())
     eventually(lambda: kube("get", "deployment", "smollm", check=False), 60, what="Deployment")
     kube("delete", "completionservice", "smollm")
@@ -153,20 +152,19 @@ def test_deleting_the_resource_collects_children(operator: OperatorProcess, kube
                what="children garbage-collected")
 
 
-def test_manual_edits_to_owned_fields_are_reverted(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_manual_edits_to_owned_fields_are_reverted(operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(example())
     eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
     kube("patch", "deployment", "smollm", "--type=merge", "-p", '{"spec":{"replicas":5}}')
     eventually(lambda: deployment(kube)["spec"]["replicas"] == 2, 30, what="replicas reverted to the spec")
 
 
-def test_restart_creates_no_duplicates_and_keeps_status(operator: OperatorProcess, kube: Kubectl) -> None:
+def test_restart_creates_no_duplicates_and_keeps_status(operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(example())
     eventually(lambda: condition(kube, "Ready").get("status") == "True", 90, what="Ready")
     before_uid = deployment(kube)["metadata"]["uid"]
     before_ready = condition(kube, "Ready")
-    operator.stop()
-    operator.start()
+    operator.restart()
     kube("annotate", "completionservice", "smollm", "touched=yes", "--overwrite")
     eventually(lambda: condition(kube, "Ready").get("status") == "True", 30, what="still Ready")
     assert deployment(kube)["metadata"]["uid"] == before_uid
@@ -174,9 +172,9 @@ def test_restart_creates_no_duplicates_and_keeps_status(operator: OperatorProces
     assert condition(kube, "Ready")["lastTransitionTime"] == before_ready["lastTransitionTime"]
 
 
-def test_operator_log_has_no_tracebacks_from_our_code(operator: OperatorProcess) -> None:
+def test_operator_log_has_no_tracebacks_from_our_code(operator: ChartOperator) -> None:
     """Our handlers never crash. (kopf itself logs an internal assertion while peering pauses; not ours.)"""
-    blocks = Path(operator.log).read_text().split("Traceback (most recent call last):")[1:]
+    blocks = operator.logs().split("Traceback (most recent call last):")[1:]
     ours = [b for b in blocks if "tally_operator" in b.split("\n20")[0]]
     assert not ours, ours[0][:3000]
 

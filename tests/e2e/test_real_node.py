@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_harness import ROOT, Kubectl, eventually, node_ctr
-from operator_harness import NAMESPACE, RELEASE, install_chart
+from kube_harness import ROOT, Kubectl, container_id, eventually, node_ctr
+from operator_harness import RELEASE, ChartOperator
 
 pytestmark = pytest.mark.e2e
 
@@ -27,16 +27,7 @@ POD_NET = ipaddress.ip_network("198.18.1.0/24")
 
 
 @pytest.fixture(scope="module")
-def chart_pods(kubectl: Kubectl) -> Iterator[Kubectl]:
-    """The chart with its operator as two pods of the operator image; scaled back to none afterwards."""
-    install_chart(kubectl, 2, "statusIntervalSeconds=1", "reconcileIntervalSeconds=5")
-    system = kubectl.in_namespace(NAMESPACE)
-    yield system
-    install_chart(kubectl, 0)
-
-
-@pytest.fixture(scope="module")
-def served(kubectl: Kubectl, chart_pods: Kubectl) -> Iterator[Kubectl]:
+def served(kubectl: Kubectl, operator: ChartOperator) -> Iterator[Kubectl]:
     """The CPU example, unmodified but for a 1-second scrape, Ready and UsageHealthy on the real node."""
     name = f"n-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", name)
@@ -101,14 +92,9 @@ def counted_exactly(kube: Kubectl, before: dict[str, Any], received: list[dict[s
     return total
 
 
-def test_operator_runs_as_two_pods_of_its_image(chart_pods: Kubectl) -> None:
-    def ready() -> list[dict[str, Any]]:
-        pods = chart_pods.json("get", "pods", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
-        up = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                     for c in p["status"].get("conditions", []))]
-        return up if len(up) == 2 else []
-
-    pods = eventually(ready, 120, interval=1, what="two Ready operator pods")
+def test_operator_runs_as_two_pods_of_its_image(operator: ChartOperator) -> None:
+    pods = operator.ready()
+    assert len(pods) == 2
     for pod in pods:
         assert pod["spec"]["nodeName"] == NODE
         assert pod["spec"]["containers"][0]["image"] == f"tally-operator:{VERSION}"
@@ -140,10 +126,10 @@ def test_completions_through_the_service_are_counted_exactly(served: Kubectl) ->
 def test_a_killed_container_is_restarted_by_the_kubelet_and_nothing_is_lost(served: Kubectl) -> None:
     total = counted_exactly(served, usage(served), run_client(served, 3))
     pod = runtime_pods(served)[0]
-    name, container = pod["metadata"]["name"], pod["status"]["containerStatuses"][0]["containerID"]
+    name = pod["metadata"]["name"]
     # The runtime's process gets SIGKILL from outside (as the kernel's OOM killer would): no drain, no final
     # read. The kubelet restarts the container, and the ledger on the pod's emptyDir carries its counters.
-    node_ctr(served.env, "tasks", "kill", "--signal", "SIGKILL", container.removeprefix("containerd://"))
+    node_ctr(served.env, "tasks", "kill", "--signal", "SIGKILL", container_id(pod))
     eventually(lambda: served.json("get", "pod", name)["status"]["containerStatuses"][0]["restartCount"] >= 1,
                60, what=f"{name} restarted by the kubelet")
     eventually(lambda: conditions(served).get("Ready") == "True", 120, what="Ready again")

@@ -1,23 +1,21 @@
 """The usage ledger end to end: status.usage equals what the clients received, through every pod and
-operator lifecycle event a service lives through (issue: steady state, a pod deleted mid-stream and right
-after serving, a runtime crash, a scale-down, the operator killed while pods serve, a pod unready).
+operator lifecycle event a service lives through (steady state, a pod deleted mid-stream and right after
+serving, a runtime crash, a scale-down, the operators killed while pods serve, a pod hung and unready),
+with the runtimes and the operator as pods of the real node.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 from typing import Any
 
-import httpx
 import pytest
-from kube_harness import Kubectl, eventually
-from operator_harness import OperatorProcess
+from kube_harness import Kubectl, container_id, eventually, in_cluster, node_ctr
+from operator_harness import ChartOperator
 from runtime_harness import sse_payloads
-from usage_harness import PodRunner, complete, service, serving_pods, status, totals_match
+from usage_harness import MODEL, complete, service, serving_pods, status, totals_match
 
 pytestmark = pytest.mark.e2e
-MODEL = "smollm2-135m-instruct"
 
 
 def ip(pod: dict[str, Any]) -> str:
@@ -37,7 +35,7 @@ def stream_through_shutdown(pod_ip: str, kube: Kubectl, pod_name: str) -> dict[s
     """A stream in flight when its pod is deleted: it must still end with [DONE] and its usage."""
     body = {"model": MODEL, "prompt": "Write a long story:", "max_tokens": 40, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"http://{pod_ip}:8000/v1/completions", json=body, timeout=120) as response:
+    with in_cluster(120) as http, http.stream("POST", f"http://{pod_ip}:8000/v1/completions", json=body) as response:
         chunks = iter(response.iter_bytes())
         received = [next(chunks)]
         kube("delete", "pod", pod_name, "--wait=false")
@@ -47,6 +45,19 @@ def stream_through_shutdown(pod_ip: str, kube: Kubectl, pod_name: str) -> dict[s
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 40
     return {"prompt": usage["prompt_tokens"], "completion": usage["completion_tokens"]}
+
+
+def ready_condition(kube: Kubectl, pod: dict[str, Any]) -> str:
+    current = kube.json("get", "pod", pod["metadata"]["name"])
+    return next((c["status"] for c in current["status"].get("conditions") or [] if c["type"] == "Ready"), "")
+
+
+def crash(kube: Kubectl, pod: dict[str, Any]) -> None:
+    """SIGKILL the runtime (no drain, no final read); the kubelet restarts it on the same pod volume."""
+    before = pod["status"]["containerStatuses"][0]["restartCount"]
+    node_ctr(kube.env, "tasks", "kill", "--signal", "SIGKILL", container_id(pod))
+    eventually(lambda: kube.json("get", "pod", pod["metadata"]["name"])["status"]["containerStatuses"][0]
+               ["restartCount"] > before, 60, what="the runtime restarted by the kubelet")
 
 
 def exact(kube: Kubectl, sent: list[dict[str, int]], what: str, deadline: float = 60) -> dict[str, Any]:
@@ -61,7 +72,7 @@ def exact(kube: Kubectl, sent: list[dict[str, int]], what: str, deadline: float 
 
 
 def test_status_usage_equals_what_clients_received_through_every_lifecycle_event(
-        operator: OperatorProcess, runner: PodRunner, kube: Kubectl, namespace: str) -> None:
+        operator: ChartOperator, kube: Kubectl, frozen: list[tuple[dict[str, str], str]]) -> None:
     kube.apply(service(replicas=2))
     pods = serving_pods(kube, 2)
     sent = [complete(ip(p), stream=i % 2 == 0) for i, p in enumerate(pods * 2)]
@@ -83,7 +94,7 @@ def test_status_usage_equals_what_clients_received_through_every_lifecycle_event
     # the runtime process killed right after serving: the container restarts on the same pod volume
     victim = pods[1]
     sent.append(complete(ip(victim), stream=False))
-    runner.kill(victim["metadata"]["uid"])
+    crash(kube, victim)
     pods = serving_pods(kube, 2)
     sent.append(complete(ip(victim), stream=True))
     exact(kube, sent, "after a runtime crash")
@@ -94,29 +105,28 @@ def test_status_usage_equals_what_clients_received_through_every_lifecycle_event
     pods = serving_pods(kube, 1)
     exact(kube, sent, "after a scale-down")
 
-    # the operator killed; the pod serves while no operator runs; the operator comes back
-    operator.kill()
+    # both operators SIGKILLed; the pod serves while none runs; the kubelet restarts them
+    killed = operator.kill()
     sent += [complete(ip(pods[0]), stream=i == 0) for i in range(2)]
-    operator.start()
-    # kopf's peering keeps a killed operator's record for a while; the new one may wait it out first
-    exact(kube, sent, "after the operator was killed and started again", deadline=180)
+    operator.restarted(killed)
+    # kopf's peering keeps a killed operator's record for a while; the new ones may wait it out first
+    exact(kube, sent, "after the operators were killed and restarted", deadline=180)
 
-    # the pod unready for a while: it still serves what reaches it, and nothing is counted twice
+    # the pod hangs (frozen) until its readiness probe fails, then comes back: it serves what reaches it
+    # while still unready, the rounds that could not read it lose nothing, and nothing is counted twice
     pod = pods[0]
-    kube("patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
-         "-p", json.dumps({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}))
+    node_ctr(kube.env, "tasks", "pause", container_id(pod))
+    frozen.append((kube.env, container_id(pod)))
+    eventually(lambda: ready_condition(kube, pod) == "False", 60, interval=0.5, what="the hung pod unready")
+    node_ctr(kube.env, "tasks", "resume", frozen.pop()[1])
     sent.append(complete(ip(pod), stream=True))
-    scraped_at = status(kube)["usage"]["lastScrapeTime"]
-    eventually(lambda: status(kube)["usage"]["lastScrapeTime"] > scraped_at, 30, what="a round while unready")
-    kube("patch", "pod", pod["metadata"]["name"], "--subresource=status", "--type=strategic",
-         "-p", json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
     sent.append(complete(ip(pod), stream=False))
-    usage = exact(kube, sent, "after a pod was unready")
+    usage = exact(kube, sent, "after a pod was hung and unready")
     assert usage["podsUnaccounted"] == 0 and usage["mismatches"] == 0
 
 
 def test_concurrent_streams_across_a_pod_deletion_are_all_counted(
-        operator: OperatorProcess, runner: PodRunner, kube: Kubectl, namespace: str) -> None:
+        operator: ChartOperator, kube: Kubectl) -> None:
     kube.apply(service(replicas=1))
     pod = serving_pods(kube, 1)[0]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

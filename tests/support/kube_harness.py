@@ -10,16 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[2]
 HACK = ROOT / "hack"
 
-# The tests' own cluster: its own state, ports and pod addresses, so that `make run`'s cluster (and the
-# demo operator and pod runner on it) can stay up while the suite runs without either seeing the other.
+# The tests' own cluster: its own state, network namespace and loopback ports, so that `make run`'s cluster
+# can stay up while the suite runs without either seeing the other.
 TEST_CLUSTER = {
     "TALLY_CLUSTER_DIR": str(ROOT / ".tally" / "test-cluster"), "TALLY_ETCD_PORT": "23890",
-    "TALLY_API_PORT": "16543", "TALLY_KCM_PORT": "20357", "TALLY_SCHEDULER_PORT": "20359",
+    "TALLY_API_PORT": "16543", "TALLY_PROXY_PORT": "16580", "TALLY_KCM_PORT": "20357", "TALLY_SCHEDULER_PORT": "20359",
     "TALLY_KWOK_PORT": "20347", "TALLY_POD_NET": "127.11", "TALLY_KWOK_CIDR": "127.21.0.0/16",
 }
+
+# Pods and ClusterIPs live in the cluster's network namespace; this machine reaches them through the
+# cluster's SOCKS5 relay (hack/netns_relay.py --socks).
+PROXY = f"socks5://127.0.0.1:{TEST_CLUSTER['TALLY_PROXY_PORT']}"
 
 # kwok's GPU nodes carry a taint of their own besides the GPU one: only pods that ask for a fake node land
 # there (the CPU example otherwise schedules onto the cluster's real node).
@@ -42,10 +48,20 @@ def cluster_down() -> None:
 def cluster_env() -> dict[str, str]:
     """Bring the tests' cluster up (idempotent) and return an environment that points kubectl and helm at it."""
     _cluster("up", check=True, timeout=600)
-    kubeconfig = _cluster("env", check=True, capture_output=True, timeout=60).stdout.strip().split("=", 1)[1]
+    line = _cluster("env", check=True, capture_output=True, timeout=60).stdout.split()
+    exported = dict(word.split("=", 1) for word in line if "=" in word)  # export KUBECONFIG=... TALLY_PROXY=...
     bin_dir = subprocess.run([str(HACK / "build.sh"), "--print"], check=True, capture_output=True, text=True,
                              timeout=60).stdout.strip()
-    return {**os.environ, "KUBECONFIG": kubeconfig, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return {**os.environ, **exported, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def in_cluster(timeout: float = 30) -> httpx.Client:
+    """An HTTP client whose connections open inside the cluster: to pod IPs and Service ClusterIPs."""
+    return httpx.Client(proxy=PROXY, timeout=timeout)
+
+
+def container_id(pod: dict[str, Any]) -> str:
+    return str(pod["status"]["containerStatuses"][0]["containerID"]).removeprefix("containerd://")
 
 
 def node_ctr(env: dict[str, str], *args: str) -> str:

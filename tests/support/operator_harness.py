@@ -1,23 +1,20 @@
-"""Run the operator as a subprocess with a token of the chart's own ServiceAccount (so the chart's RBAC is tested)."""
+"""The chart, and its operator as pods of the operator image on the real node (two replicas, peering)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
+from typing import Any
 
-import httpx
-from kube_harness import ROOT, Kubectl, eventually, token_kubeconfig
-from runtime_harness import free_port, terminate
+from kube_harness import ROOT, Kubectl, container_id, eventually, in_cluster, node_ctr
 
 CHART = ROOT / "charts" / "tally-operator"
 RELEASE = "tally-operator"
 NAMESPACE = "tally-system"
+METRICS_PORT = 9090  # the chart's default metrics.port
 
 
-def install_chart(kubectl: Kubectl, replicas: int = 0, *settings: str) -> None:
-    """The chart, with `replicas` operator pods on the real node (none: the test runs its own operator)."""
+def install_chart(kubectl: Kubectl, replicas: int, *settings: str) -> None:
+    """The chart, with `replicas` operator pods on the real node."""
     # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one.
     crd = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
@@ -29,48 +26,65 @@ def install_chart(kubectl: Kubectl, replicas: int = 0, *settings: str) -> None:
         raise RuntimeError(f"helm upgrade failed: {done.stderr}")
 
 
-def chart_token_kubeconfig(kubectl: Kubectl, path: Path) -> Path:
-    """Credentials of the chart's own ServiceAccount, so that the chart's RBAC is what gets tested."""
-    token = kubectl("create", "token", RELEASE, "-n", NAMESPACE, "--duration=2h").strip()
-    return token_kubeconfig(kubectl, token, path)
+def is_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
 
 
-class OperatorProcess:
-    def __init__(self, kubeconfig: Path, log: Path, extra_env: dict[str, str] | None = None) -> None:
-        self.kubeconfig = kubeconfig
-        self.log = log
-        self.port = free_port()
-        self.metrics_port = free_port()
-        self.extra_env = extra_env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
+class ChartOperator:
+    """The chart's operator pods, and what the tests do to them: read their metrics and logs, crash them
+    (SIGKILL through containerd, restarted by the kubelet), restart them as a rollout would."""
 
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "TALLY_OPERATOR_STATUS_INTERVAL": "1",
-               "TALLY_OPERATOR_RECONCILE_INTERVAL": "3",
-               "TALLY_OPERATOR_METRICS_PORT": str(self.metrics_port), **self.extra_env}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tally_operator", f"--liveness=http://127.0.0.1:{self.port}/healthz"],
-                stdout=out, stderr=subprocess.STDOUT, env=env)
-        eventually(self.alive, 60, what=f"operator liveness (log: {self.log})")
+    def __init__(self, kubectl: Kubectl, replicas: int) -> None:
+        self.system = kubectl.in_namespace(NAMESPACE)
+        self.replicas = replicas
+        self.earlier_logs: list[str] = []  # of containers the tests replaced
 
-    def alive(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"operator exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def pods(self) -> list[dict[str, Any]]:
+        pods = self.system.json("get", "pods", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
-    def kill(self) -> None:
-        """No shutdown at all: what a crashed or evicted operator does."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.proc = None
+    def ready(self, deadline: float = 180) -> list[dict[str, Any]]:
+        def check() -> list[dict[str, Any]]:
+            pods = self.pods()
+            return pods if len(pods) == self.replicas and all(map(is_ready, pods)) else []
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            terminate(self.proc)
-        self.proc = None
+        return list(eventually(check, deadline, interval=0.5, what=f"{self.replicas} Ready operator pods"))
+
+    def metrics(self) -> list[str]:
+        """Each operator pod's /metrics (only the active peer has a service's series)."""
+        with in_cluster(5) as http:
+            return [http.get(f"http://{p['status']['podIP']}:{METRICS_PORT}/metrics").text
+                    for p in self.pods() if p["status"].get("podIP")]
+
+    def logs(self) -> str:
+        """What every operator container the tests saw has logged, replaced ones included."""
+        return "\n".join([*self.earlier_logs, self._current_logs()])
+
+    def _current_logs(self) -> str:
+        return "\n".join(self.system("logs", p["metadata"]["name"], "--tail=-1", check=False) for p in self.pods())
+
+    def kill(self) -> dict[str, int]:
+        """Every operator process SIGKILLed (a crash: no shutdown, kopf's peering records left behind);
+        returns each pod's restart count before, for `restarted`."""
+        self.earlier_logs.append(self._current_logs())
+        restarts = {}
+        for pod in self.pods():
+            restarts[pod["metadata"]["name"]] = pod["status"]["containerStatuses"][0]["restartCount"]
+            node_ctr(self.system.env, "tasks", "kill", "--signal", "SIGKILL", container_id(pod))
+        return restarts
+
+    def restarted(self, before: dict[str, int]) -> None:
+        """Wait until the kubelet has restarted every container `kill` killed, and they are Ready."""
+        def check() -> bool:
+            now = {p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"] for p in self.pods()}
+            return all(now.get(name, -1) > count for name, count in before.items())
+
+        eventually(check, 90, what="the operator containers restarted by the kubelet")
+        self.ready()
+
+    def restart(self) -> None:
+        """A rollout: new pods, each old one stopped with SIGTERM."""
+        self.earlier_logs.append(self._current_logs())
+        self.system("rollout", "restart", f"deployment/{RELEASE}")
+        self.system("rollout", "status", f"deployment/{RELEASE}", "--timeout=110s")
+        self.ready()

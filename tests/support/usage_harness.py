@@ -1,19 +1,15 @@
-"""End-to-end usage helpers: the CPU example as a service, real runtimes on pod IPs, what clients were billed."""
+"""End-to-end usage helpers: the CPU example as a service on the real node, what its clients were billed."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import httpx
 import openai
 import yaml
-from kube_harness import FAKE_NODE_TOLERATIONS, ROOT, Kubectl, eventually
+from kube_harness import ROOT, Kubectl, eventually, in_cluster
 
-sys.path.insert(0, str(ROOT / "hack"))
-from pod_runner import PodRunner, runtime_command
-
-__all__ = ["PodRunner", "runtime_command"]
+MODEL = "smollm2-135m-instruct"
 
 
 def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
@@ -21,7 +17,6 @@ def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
     manifest["metadata"]["name"] = name
     manifest["spec"]["replicas"] = replicas
     manifest["spec"]["usageHealth"] = {"scrapeIntervalSeconds": 1}
-    manifest["spec"]["scheduling"] = {"tolerations": FAKE_NODE_TOLERATIONS}  # pod_runner.py serves kwok's pods
     return dict(manifest)
 
 
@@ -33,35 +28,43 @@ def usage_condition(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
     return next((c for c in status(kube, name).get("conditions") or [] if c["type"] == "UsageHealthy"), {})
 
 
-def serving_pods(kube: Kubectl, count: int) -> list[dict[str, Any]]:
-    def ready() -> list[dict[str, Any]]:
-        pods = [p for p in kube.json("get", "pods")["items"] if p["status"].get("podIP")
-                and not p["metadata"].get("deletionTimestamp")]
-        serving = [p for p in pods if healthy(p["status"]["podIP"])]
-        return serving if len(serving) == count else []
+def live_pods(kube: Kubectl) -> list[dict[str, Any]]:
+    return [p for p in kube.json("get", "pods")["items"] if p["status"].get("podIP")
+            and not p["metadata"].get("deletionTimestamp")]
 
-    return list(eventually(ready, 120, interval=0.5, what=f"{count} runtimes serving on pod IPs"))
+
+def serving_pods(kube: Kubectl, count: int, deadline: float = 180) -> list[dict[str, Any]]:
+    """Exactly `count` live pods, each with a runtime answering /health on its pod IP."""
+    def ready() -> list[dict[str, Any]]:
+        pods = live_pods(kube)
+        serving = [p for p in pods if healthy(p["status"]["podIP"])]
+        return serving if len(serving) == count == len(pods) else []
+
+    return list(eventually(ready, deadline, interval=0.5, what=f"{count} runtimes serving on pod IPs"))
 
 
 def healthy(ip: str) -> bool:
     try:
-        return httpx.get(f"http://{ip}:8000/health", timeout=2).status_code == 200
+        with in_cluster(2) as http:
+            return http.get(f"http://{ip}:8000/health").status_code == 200
     except httpx.HTTPError:
         return False
 
 
 def complete(ip: str, stream: bool, prompt: str = "Tell me a joke", max_tokens: int = 6,
              tenant: str | None = None) -> dict[str, int]:
-    client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0,
-                           default_headers={"X-Tally-Tenant": tenant} if tenant else None)
-    if not stream:
-        reply = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens)
-        assert reply.usage is not None
-        return {"prompt": reply.usage.prompt_tokens, "completion": reply.usage.completion_tokens}
-    usage = None
-    for chunk in client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=max_tokens,
-                                           stream=True, stream_options={"include_usage": True}):
-        usage = chunk.usage or usage
+    """One completion from the openai SDK (inside the cluster, through its relay); the usage it was told."""
+    with in_cluster(120) as http:
+        client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, http_client=http,
+                               default_headers={"X-Tally-Tenant": tenant} if tenant else None)
+        if not stream:
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
+            assert reply.usage is not None
+            return {"prompt": reply.usage.prompt_tokens, "completion": reply.usage.completion_tokens}
+        usage = None
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                               stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
     assert usage is not None
     return {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
 
@@ -71,5 +74,3 @@ def totals_match(kube: Kubectl, sent: list[dict[str, int]]) -> dict[str, Any]:
     expected = (len(sent), sum(u["prompt"] for u in sent), sum(u["completion"] for u in sent))
     return usage if (usage.get("requests"), usage.get("promptTokens"), usage.get("completionTokens")) == expected \
         else {}
-
-
