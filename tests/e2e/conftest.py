@@ -3,6 +3,7 @@ chart's operator as pods on the cluster's real node."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 
@@ -58,7 +59,5 @@ def frozen() -> Iterator[list[tuple[dict[str, str], str]]]:
     held: list[tuple[dict[str, str], str]] = []
     yield held
     for env, container in held:
-        try:
+        with contextlib.suppress(RuntimeError):  # the container is gone (pod deleted or restarted): nothing frozen
             node_ctr(env, "tasks", "resume", container)
-        except RuntimeError:  # the container is gone (its pod deleted or restarted): nothing is frozen
-            pass

@@ -8,7 +8,7 @@ import pytest
 from kube_harness import Kubectl, container_id, eventually, node_ctr
 from operator_harness import ChartOperator
 from runtime_harness import metric_value
-from usage_harness import complete, healthy, live_pods, serving_pods, service, status, totals_match, usage_condition
+from usage_harness import complete, healthy, live_pods, service, serving_pods, status, totals_match, usage_condition
 
 pytestmark = pytest.mark.e2e
 VERSION = "0.1.0"
