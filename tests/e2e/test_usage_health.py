@@ -83,6 +83,9 @@ def test_scrape_failures_never_stall_the_others(operator: ChartOperator, kube: K
                                                 frozen: list[tuple[dict[str, str], str]]) -> None:
     kube.apply(service(replicas=2))
     hung, good = serving_pods(kube, 2)
+    # Both counted first: a pod that never had a reading is scraped only while it is Ready, and a frozen one
+    # soon is not.
+    eventually(lambda: len((status(kube).get("usage") or {}).get("pods") or []) == 2, 60, what="both pods read")
     # One runtime hangs: its process frozen, connections to it accepted by the kernel but never answered.
     node_ctr(kube.env, "tasks", "pause", container_id(hung))
     frozen.append((kube.env, container_id(hung)))
