@@ -30,54 +30,14 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from tally_runtime.engine.base import (
-    Delta,
-    EngineInfo,
-    EngineMetrics,
-    FinishReason,
-    GenerationRequest,
-    Health,
-    SamplingParams,
-)
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "fakes"))
 
+from fast_engine import FastEngine  # noqa: E402  (the CPU-free token source)
+
+from tally_runtime.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 
 # ---- the three servers (run in child processes: `relay.py serve <kind> <port>`)
-
-class FastEngine:
-    """Token source with no model: one token per delta, engine-style cumulative counts."""
-
-    async def start(self) -> Any:
-        return EngineInfo(model_path="none", context_length=1 << 20, vocab_size=1000, engine_kind="fast")
-
-    async def stop(self) -> None:
-        return None
-
-    def health(self) -> Any:
-        return Health(True)
-
-    def own_metrics(self) -> Any:
-        return EngineMetrics()
-
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [1] * max(1, len(text.split()))
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return " tok" * len(ids)
-
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        return " ".join(m["content"] for m in messages)
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        n = request.sampling.max_tokens
-        prompt = len(request.prompt_ids)
-        for i in range(1, n + 1):
-            yield Delta(text=" tok", token_ids=(7,), prompt_tokens=prompt, completion_tokens=i,
-                        finish_reason=FinishReason.LENGTH if i == n else None)
-            if i % 16 == 0:
-                await asyncio.sleep(0)  # an engine hands control back now and then
-
 
 def ceiling_app(tokens_hint: int) -> Any:
     event = (b'data: {"id":"cmpl-x","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'

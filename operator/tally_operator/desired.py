@@ -60,7 +60,7 @@ def grace_seconds(spec: Spec) -> int:
 def runtime_args(spec: Spec) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
-        "serve", "--host", "0.0.0.0", "--port", str(c.RUNTIME_PORT), "--engine", spec.engine_kind,
+        "serve", "--host", "::", "--port", str(c.RUNTIME_PORT), "--engine", spec.engine_kind,
         "--served-model-name", spec.model_name, "--context-length", str(spec.context_length),
         "--max-concurrent-generations", str(spec.max_concurrent_generations),
         "--journal-path", c.JOURNAL_PATH, "--drain-seconds", str(spec.drain_seconds),
@@ -98,7 +98,11 @@ def _container(spec: Spec, settings: OperatorSettings) -> Obj:
         "image": spec.image or settings.runtime_image,
         "args": runtime_args(spec),
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"}],
-        "env": [{"name": "TALLY_LOG_LEVEL", "value": "info"}, *[dict(e) for e in spec.env]],
+        # The pod's uid goes on the runtime's /metrics, so the operator can tell it reached this very pod
+        # (a pod IP is reused once a pod is gone).
+        "env": [{"name": "TALLY_LOG_LEVEL", "value": "info"},
+                {"name": "TALLY_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                *[dict(e) for e in spec.env]],
         "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory}, "limits": limits},
         "volumeMounts": mounts,
         # Model loads are slow: the startup probe gets the whole budget, liveness only starts after it.

@@ -50,26 +50,26 @@ def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
 @kopf.on.create(c.GROUP, c.VERSION, c.PLURAL)
 @kopf.on.update(c.GROUP, c.VERSION, c.PLURAL)
-async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    await run(body, patch, memo, apply_children=True)
+async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await run(body, memo, apply_children=True)
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.reconcile_interval, initial_delay=5)
-async def periodic_reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    await run(body, patch, memo, apply_children=True)
+async def periodic_reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await run(body, memo, apply_children=True)
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.status_interval, idle=0)
-async def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    await run(body, patch, memo, apply_children=False)
+async def refresh_status(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await run(body, memo, apply_children=False)
 
 
-async def run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, apply_children: bool) -> None:
+async def run(body: kopf.Body, memo: kopf.Memo, apply_children: bool) -> None:
     """The resource's pass, with its own memory; a transient API error is retried by kopf."""
     memory = memo.get("service")
     if memory is None:
         memory = memo["service"] = ServiceMemory()
     try:
-        await reconcile(memo.context, body, patch, memory, apply_children)
+        await reconcile(memo.context, body, memory, apply_children)
     except KubeError as error:  # only transient ones leave the pass
         raise kopf.TemporaryError(f"API server: {error.status} {error.message}", delay=RETRY_SECONDS) from error

@@ -36,6 +36,11 @@ class KubeError(Exception):
     def transient(self) -> bool:
         return self.status in {0, 409, 429} or self.status >= 500
 
+    @property
+    def conflict(self) -> bool:
+        """A write whose precondition (resourceVersion) no longer held: re-read and try again."""
+        return self.status == 409
+
 
 def _sorted_errors(call: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(call)
@@ -91,6 +96,20 @@ class Kube:
         return True
 
     @_sorted_errors
+    def patch_status(self, api_version: str, kind: str, name: str, namespace: str, status: Obj,
+                     resource_version: str) -> Obj:
+        """Write `status` only if the object is still at `resource_version` (compare-and-swap: a 409
+        `KubeError` otherwise). Lists and the given keys are replaced whole; keys not given are kept."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        result = self._resource(api_version, kind).status.patch(
+            body=body, name=name, namespace=namespace, content_type="application/merge-patch+json")
+        return dict(result.to_dict())
+
+    @_sorted_errors
     def pods(self, namespace: str, selector: str) -> list[Obj]:
-        result = self._resource("v1", "Pod").get(namespace=namespace, label_selector=selector)
+        return self.list("v1", "Pod", namespace, selector)
+
+    @_sorted_errors
+    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Obj]:
+        result = self._resource(api_version, kind).get(namespace=namespace, label_selector=selector)
         return [dict(item) for item in result.to_dict().get("items", [])]

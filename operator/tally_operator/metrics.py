@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from tally_operator.samples import Counters
+from tally_runtime.contract import OTHER_TENANT
 
 PREFIX = "tally_service"
+MAX_TENANTS_PER_SERVICE = 1000  # tenant series per service on this registry; later ones are booked as 'other'
 _FIELDS = {
     "requests": "Finished requests",
     "prompt_tokens": "Prompt tokens (engine-sourced)",
@@ -47,19 +49,27 @@ class OperatorMetrics:
         start_http_server(port, addr=address, registry=self.registry)
 
     def record(self, namespace: str, name: str, increase: Counters, health: str, scraped: int, failed: int,
-               unaccounted: int = 0, tenants: Mapping[str, Counters] | None = None) -> None:
+               unaccounted: int = 0, tenants: Mapping[str, Counters] | None = None) -> int:
+        """Count one booked round. Returns how many tenants beyond the per-service bound were booked to
+        tenant `other` this time."""
         for field, counter in self.totals.items():
             counter.labels(namespace, name).inc(getattr(increase, field))
-        for tenant, more in (tenants or {}).items():
-            self.seen_tenants.setdefault((namespace, name), set()).add(tenant)
+        seen = self.seen_tenants.setdefault((namespace, name), set())
+        folded = 0
+        for tenant, more in sorted((tenants or {}).items()):
+            label = tenant
+            if tenant not in seen and len(seen) - (OTHER_TENANT in seen) >= MAX_TENANTS_PER_SERVICE:
+                label, folded = OTHER_TENANT, folded + (tenant != OTHER_TENANT)
+            seen.add(label)
             for field, counter in self.tenants.items():
-                counter.labels(namespace, name, tenant).inc(getattr(more, field))
+                counter.labels(namespace, name, label).inc(getattr(more, field))
         if unaccounted:
             self.unaccounted.labels(namespace, name).inc(unaccounted)
         self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
         self.pods_scraped.labels(namespace, name).set(scraped)
         if failed:
             self.scrape_failures.labels(namespace, name).inc(failed)
+        return folded
 
     def forget(self, namespace: str, name: str) -> None:
         for tenant in self.seen_tenants.pop((namespace, name), set()):

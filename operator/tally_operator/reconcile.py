@@ -4,6 +4,14 @@ Everything a pass needs comes in explicitly: the `Context` built once at start-u
 metrics) and the resource's own `ServiceMemory`. Passes run on kopf's event loop; blocking API calls go
 through a thread, the scrape is awaited directly. Errors are domain errors here (`KubeError`,
 `SpecError`); handlers.py maps the transient ones to kopf's retry.
+
+The status is written here, not through kopf's patch: by compare-and-swap on the resourceVersion the
+pass planned against (bookkeeping.py). The pods are scraped after the status they are booked into was
+read, and a refused write re-reads the object and scrapes again: so every sample booked is newer than
+every reading in the ledger it is booked into, and two passes on one stale body, or a peer that resumes
+after another wrote, can never regress `status.usage`, book a stale sample or book a round twice. Only
+once the write has landed does the pass count the round on the operator's /metrics, post its Events, and
+acknowledge the final counters of drained pods (their runtimes then exit).
 """
 
 from __future__ import annotations
@@ -12,26 +20,36 @@ import asyncio
 import datetime
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from tally_operator import constants as c
-from tally_operator.conditions import Verdict, is_bad, transitions
+from tally_operator.bookkeeping import Observed, Plan, plan
+from tally_operator.conditions import is_bad
 from tally_operator.desired import desired_deployment, desired_pdb, desired_service, endpoint
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.samples import MetricsParseError, parse_sample
-from tally_operator.scrape import scrape
+from tally_operator.observations import Observations
+from tally_operator.samples import MetricsParseError, PodSample, parse_sample
+from tally_operator.scrape import post_json, scrape
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec, SpecError, parse_spec
-from tally_operator.status import build_status, invalid_verdicts, observed_fields, without_times, workload_verdicts
-from tally_operator.usage import Round, UsageState, absorb, scrape_targets, state_from_status, usage_status
-from tally_operator.verdict import judge
+from tally_operator.status import invalid_verdicts, observed_fields, workload_verdicts
+from tally_operator.usage import Round, counted_uids, ledger_from_status, owned_pods, scrape_targets
+from tally_runtime.contract import FINAL_READ_PATH
 
 log = logging.getLogger("tally_operator")
-MEMO_SECONDS = 10.0  # how long our own last write outranks a possibly stale body
+MAX_WRITES = 5  # compare-and-swap attempts per pass before kopf retries the pass
+
+
+Post = Callable[[Any, str, str, str], None]  # (body, type, reason, message): an Event on the resource
+
+
+def kopf_event(body: Any, kind: str, reason: str, message: str) -> None:
+    kopf.event(body, type=kind, reason=reason[:128], message=message[:1024])
 
 
 @dataclass
@@ -41,98 +59,189 @@ class Context:
     settings: OperatorSettings
     kube: Kube
     metrics: OperatorMetrics
+    post_event: Post = kopf_event
 
 
 @dataclass
 class ServiceMemory:
-    """What this process remembers about one CompletionService between passes."""
+    """What this process remembers about one CompletionService between passes (never the ledger itself:
+    that is read from the status every time)."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pass at a time per resource
     scraped_at: float = -1e9  # monotonic time of the last scrape round
-    usage: UsageState | None = None  # None until the first round in this process resumes from the status
-    written: tuple[float, dict[str, Any]] | None = None  # (monotonic time, status) of our last write
+    observations: Observations = field(default_factory=Observations)
     apply_error: SpecError | None = None  # the API server's refusal, until a pass applies cleanly
+    refused: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last sample was refused
 
 
-async def reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, memory: ServiceMemory,
-                    apply_children: bool) -> None:
-    """One pass. Passes of the same resource (timers, events) run one at a time, so an older reading of
-    the children can never overwrite a newer status."""
+@dataclass(frozen=True)
+class Scraped:
+    round: Round
+    urls: Mapping[str, str]  # pod uid -> the base URL it was reached at
+    refused: Mapping[str, str]  # pod uid -> why its /metrics were not trusted this round
+
+
+async def reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
+    """One pass. Passes of the same resource (timers, events) run one at a time in this process; across
+    processes the status write's compare-and-swap keeps them apart."""
     async with memory.lock:
-        await _reconcile(ctx, body, patch, memory, apply_children)
+        await _reconcile(ctx, body, memory, apply_children)
 
 
-async def _reconcile(ctx: Context, body: kopf.Body, patch: kopf.Patch, memory: ServiceMemory,
-                     apply_children: bool) -> None:
+async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
+    obj = {"metadata": dict(body.meta), "spec": dict(body.spec), "status": dict(body.get("status") or {})}
     meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
     generation = int(body.meta.get("generation") or 0)
-    previous = dict(body.get("status") or {})
-    here = {"endpoint": endpoint(meta, ctx.settings)}
+    fields: dict[str, Any] = {"endpoint": endpoint(meta, ctx.settings)}
     try:
         spec = parse_spec(body.spec)
     except SpecError as error:
-        write_status(body, patch, memory, previous, build_status(previous, invalid_verdicts(error), now(),
-                                                                 generation, here))
+        await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(error), fields)))
         return
     try:
         if apply_children:
             await asyncio.to_thread(apply_all, ctx, meta, spec)
             memory.apply_error = None
-        deployment = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", meta["name"], meta["namespace"])
-        pods = await asyncio.to_thread(ctx.kube.pods, meta["namespace"], f"{c.LABEL_SERVICE}={meta['name']}")
+        deployment, pods = await asyncio.to_thread(read_children, ctx, meta)
     except KubeError as error:
         if error.transient:
             raise
         memory.apply_error = rejected(error)
         deployment, pods = None, []
     if memory.apply_error is not None:  # until a pass applies cleanly, the rejection is the news
-        write_status(body, patch, memory, previous, build_status(previous, invalid_verdicts(memory.apply_error),
-                                                                 now(), generation, here))
+        observed = Observed(generation, invalid_verdicts(memory.apply_error), fields)
+        await commit(ctx, body, memory, obj, fixed(observed))
         return
-    fields = observed_fields(meta["name"], deployment, here["endpoint"])
+    fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
     verdicts = workload_verdicts(spec, deployment, pods)
-    checked = await check_usage(ctx, meta, spec, pods, memory, previous)
-    if checked is not None:
-        fields["usage"], usage_verdict, unaccounted = checked
-        verdicts.append(usage_verdict)
-        if unaccounted:
-            kopf.event(body, type="Warning", reason="UsageUnaccounted",
-                       message=f"{unaccounted} pod(s) went away or restarted their counters before their last "
-                               "counters were read: what they served since the scrape before is not in the totals")
-    write_status(body, patch, memory, previous, build_status(previous, verdicts, now(), generation, fields))
+    due = scrape_due(memory, spec)
+
+    async def observe(current: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
+        scraped = await scrape_round(ctx, meta, pods, current) if due else None
+        return Observed(generation, verdicts, fields, scraped.round if scraped else None,
+                        spec.max_mismatch_ratio), scraped
+
+    await commit(ctx, body, memory, obj, observe)
 
 
-async def check_usage(ctx: Context, meta: dict[str, str], spec: Spec, pods: list[dict[str, Any]],
-                      memory: ServiceMemory, previous: dict[str, Any]) -> tuple[dict[str, object], Verdict, int] | None:
-    """Scrape the service's pods when its scrape interval is due; None when it is not.
+Observe = Callable[[Mapping[str, Any]], Awaitable[tuple[Observed, "Scraped | None"]]]
 
-    Returns the new `status.usage`, the UsageHealthy verdict and how many pods this round found
-    unaccounted. The readings the totals stand on go into the same status write, so a restarted
-    operator continues from exactly there."""
+
+def fixed(observed: Observed) -> Observe:
+    """Observations that do not depend on the status they are written against (nothing scraped)."""
+    async def observe(_: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
+        return observed, None
+
+    return observe
+
+
+def scrape_due(memory: ServiceMemory, spec: Spec) -> bool:
     if time.monotonic() - memory.scraped_at < spec.scrape_interval_seconds:
-        return None
+        return False
     memory.scraped_at = time.monotonic()
-    if memory.usage is None:  # first round in this process: continue from the status
-        memory.usage = state_from_status(previous.get("usage") or {})
-    state = memory.usage
-    targets = scrape_targets(pods, state.readings, c.RUNTIME_PORT)
+    return True
+
+
+def read_children(ctx: Context, meta: Mapping[str, str]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The Deployment and the pods this CompletionService owns (through its Deployment's ReplicaSets)."""
+    selector = f"{c.LABEL_SERVICE}={meta['name']}"
+    deployment = ctx.kube.get("apps/v1", "Deployment", meta["name"], meta["namespace"])
+    replica_sets = ctx.kube.list("apps/v1", "ReplicaSet", meta["namespace"], selector)
+    pods = ctx.kube.pods(meta["namespace"], selector)
+    return deployment, [dict(p) for p in owned_pods(pods, replica_sets, deployment, meta["uid"])]
+
+
+async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[str, Any]],
+                       obj: Mapping[str, Any]) -> Scraped:
+    """Read every pod the ledger counts or should count; each pod's failure is that pod's alone."""
+    readings = ledger_from_status(obj["status"].get("usage") or {}).readings
+    targets = scrape_targets(pods, readings, c.RUNTIME_PORT)
     results = await scrape(targets, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
-    samples, failed = {}, set()
+    samples: dict[str, PodSample] = {}
+    failed: set[str] = set()
+    refused: dict[str, str] = {}
     for uid, result in results.items():
         try:
             if isinstance(result, Exception):
                 raise result
-            samples[uid] = parse_sample(result)
-        except (Exception, MetricsParseError) as err:  # one pod's failure is that pod's alone
+            samples[uid] = parse_sample(result, expected_pod_uid=uid)
+        except MetricsParseError as err:
             failed.add(uid)
-            log.info("Scraping pod %s of %s/%s failed: %s", uid, meta["namespace"], meta["name"], err)
-    round_ = Round(samples, frozenset(failed), present=frozenset(p["metadata"]["uid"] for p in pods))
-    unaccounted = state.unaccounted
-    increase = absorb(state, round_)
-    verdict = judge(state, round_, spec.max_mismatch_ratio)
-    ctx.metrics.record(meta["namespace"], meta["name"], increase, verdict.status, len(samples), len(failed),
-                       state.unaccounted - unaccounted, state.tenant_increase)
-    return usage_status(state, round_, now()), verdict, state.unaccounted - unaccounted
+            refused[uid] = str(err)
+        except Exception as err:
+            failed.add(uid)
+            log.info("Scraping pod %s of %s/%s failed: %r", uid, meta["namespace"], meta["name"], err)
+    urls = {uid: url.removesuffix("/metrics") for uid, url in targets.items()}
+    return Scraped(Round(samples, frozenset(failed), present=counted_uids(pods)), urls, refused)
+
+
+async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapping[str, Any],
+                 observe: Observe) -> None:
+    """Observe against `obj`'s status (scraping after it was read), plan, and write by compare-and-swap; a
+    refused write reads the object again and observes again. Then what may only follow a landed write."""
+    meta = obj["metadata"]
+    for _ in range(MAX_WRITES):
+        observed, scraped = await observe(obj)
+        planned = plan(obj["status"], memory.observations, observed, now())
+        if not planned.changed:
+            memory.observations = planned.observations
+            return
+        try:
+            await asyncio.to_thread(ctx.kube.patch_status, c.API_VERSION, c.KIND, meta["name"], meta["namespace"],
+                                    planned.status, str(meta["resourceVersion"]))
+        except KubeError as error:
+            if not error.conflict:
+                raise
+            fresh = await asyncio.to_thread(ctx.kube.get, c.API_VERSION, c.KIND, meta["name"], meta["namespace"])
+            if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
+                return  # deleted (or deleted and created again) meanwhile: nothing of ours to write
+            obj, meta = fresh, fresh["metadata"]
+            obj.setdefault("status", {})
+            continue
+        await landed(ctx, body, memory, planned, scraped)
+        return
+    raise KubeError(409, f"the status changed under {MAX_WRITES} writes in a row")
+
+
+async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: Plan, scraped: Scraped | None) -> None:
+    memory.observations = planned.observations
+    meta = body.meta
+    post = ctx.post_event
+    for condition in planned.transitions:
+        post(body, "Warning" if is_bad(condition) else "Normal", f"{condition['type']}{condition['status']}",
+             f"{condition['reason']}: {condition['message']}")
+    if scraped is None or planned.booking is None:
+        return
+    for uid, reason in scraped.refused.items():  # once per pod and reason, not every round
+        if memory.refused.get(uid) != reason:
+            log.warning("Refusing the metrics of pod %s of %s/%s: %s", uid, meta["namespace"], meta["name"], reason)
+            post(body, "Warning", "MetricsRefused", f"The /metrics of pod {uid} were not counted: {reason}")
+    memory.refused = dict(scraped.refused)
+    booking = planned.booking
+    if booking.lost:
+        post(body, "Warning", "UsageUnaccounted",
+             f"{booking.lost} pod(s) went away or restarted their counters before their last counters were read: "
+             "what they served since the scrape before is not in the totals")
+    capped = ctx.metrics.record(meta["namespace"], meta["name"], booking.increase,
+                                planned.verdict.status if planned.verdict else "Unknown",
+                                len(scraped.round.samples), len(scraped.round.failed), booking.lost,
+                                planned.tenant_increase)
+    folded = capped + sum(s.tenants_capped for s in scraped.round.samples.values())
+    if folded:
+        post(body, "Warning", "TenantsCapped", f"{folded} tenant series beyond the operator's bound were added into "
+                                               "tenant 'other' (the totals are unaffected)")
+    await acknowledge_final(ctx, scraped)
+
+
+async def acknowledge_final(ctx: Context, scraped: Scraped) -> None:
+    """Tell each drained pod that its final counters are booked: only that lets its runtime exit."""
+    calls = {uid: (scraped.urls[uid] + FINAL_READ_PATH, sample.acknowledgement())
+             for uid, sample in scraped.round.samples.items() if sample.final and uid in scraped.urls}
+    if calls:
+        results = await post_json(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
+        for uid, result in results.items():
+            if result != 200:
+                log.info("The final-read acknowledgement to pod %s was not taken: %r", uid, result)
 
 
 def rejected(error: KubeError) -> SpecError:
@@ -149,25 +258,6 @@ def apply_all(ctx: Context, meta: dict[str, str], spec: Spec) -> None:
         ctx.kube.apply(pdb)
     else:
         ctx.kube.delete("policy/v1", "PodDisruptionBudget", meta["name"], meta["namespace"])
-
-
-def write_status(body: kopf.Body, patch: kopf.Patch, memory: ServiceMemory, previous: dict[str, Any],
-                 status: dict[str, Any]) -> None:
-    """Write only on change; post an Event for every condition that flipped.
-
-    The memory holds what this process last wrote, so a timer racing an event handler over the same
-    stale body does not write (or announce) the same transition twice.
-    """
-    fresh = memory.written is not None and time.monotonic() - memory.written[0] < MEMO_SECONDS
-    known = memory.written[1] if fresh and memory.written is not None else previous
-    if without_times(status) == without_times(known):
-        return
-    memory.written = (time.monotonic(), status)
-    patch.status.update(status)
-    for condition in transitions(known.get("conditions") or [], status["conditions"]):
-        kopf.event(body, type="Warning" if is_bad(condition) else "Normal",
-                   reason=f"{condition['type']}{condition['status']}"[:128],
-                   message=f"{condition['reason']}: {condition['message']}"[:1024])
 
 
 def now() -> str:

@@ -1,13 +1,23 @@
-"""PURE: a runtime's /metrics text -> the counters and gauges the operator reads from one pod."""
+"""PURE: a runtime's /metrics text -> the counters and gauges the operator reads from one pod.
+
+A pod's /metrics is input from outside the operator: whatever runs in the pod could send anything. A
+sample is refused whole (`MetricsParseError`, the round counts the pod as failed) unless it names the pod
+it was meant to come from, carries its counters' epoch, and every number read is finite and not negative.
+Tenant series are bounded per pod: beyond `MAX_TENANTS_PER_POD` label values the rest are added into the
+`other` tenant, so the sum over tenants still equals the totals.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tally_runtime import contract
+
+MAX_TENANTS_PER_POD = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,15 +30,16 @@ class Counters:
     derived_requests: float = 0.0
 
     def increase_since(self, other: Counters) -> Counters:
-        """Increase since `other`; a counter that went down was reset, so all of it is new."""
-        return Counters(**{f.name: _increase(getattr(other, f.name), getattr(self, f.name)) for f in fields(self)})
+        """Increase since `other` under one epoch: a counter that went down adds nothing (never a reset:
+        a reset comes with a new epoch, and the caller then passes zero counters)."""
+        return Counters(**{f.name: max(0.0, getattr(self, f.name) - getattr(other, f.name)) for f in fields(self)})
+
+    def below(self, other: Counters) -> bool:
+        """Whether any counter is lower than in `other`."""
+        return any(getattr(self, f.name) < getattr(other, f.name) for f in fields(self))
 
     def plus(self, other: Counters) -> Counters:
         return Counters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-
-def _increase(before: float, now: float) -> float:
-    return now - before if now >= before else now
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +50,15 @@ class PodSample:
     started: float | None = None  # the counters' epoch: a new value means they began again from zero
     final: bool = False  # draining with nothing in flight: the pod's last counters
     tenants: Mapping[str, Counters] = field(default_factory=dict)  # requests and tokens per tenant
+    all_requests: float = 0.0  # requests of every outcome, refused ones included (the final-read handshake)
+    pod_uid: str = ""  # the pod the runtime says it is (downward API)
+    tenants_capped: int = 0  # tenant label values beyond MAX_TENANTS_PER_POD, added into `other`
+
+    def acknowledgement(self) -> dict[str, float]:
+        """The final counters as the runtime's final-read handshake expects them back (drain.py)."""
+        return {"epoch": self.started or 0.0, "requests": self.all_requests,
+                "promptTokens": self.counters.prompt_tokens, "completionTokens": self.counters.completion_tokens,
+                "cachedTokens": self.counters.cached_tokens}
 
 
 _COUNTER_NAMES = {
@@ -58,39 +78,46 @@ _TENANT_NAMES = {
     contract.sample_name(contract.TENANT_COMPLETION_TOKENS): "completion_tokens",
     contract.sample_name(contract.TENANT_CACHED_TOKENS): "cached_tokens",
 }
-
-
-_REFUSED = {contract.OUTCOME_INVALID, contract.OUTCOME_OVERLOADED}  # never started: not finished requests
+_READ = {*_COUNTER_NAMES, *_FINAL_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO}
 
 
 class MetricsParseError(ValueError):
     pass
 
 
-def parse_sample(text: str) -> PodSample:
-    """Read a runtime's /metrics text. Requests count only finished ones (not invalid or overloaded)."""
+def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
+    """Read a runtime's /metrics text. `requests` counts only served requests (not invalid or overloaded);
+    given `expected_pod_uid`, the runtime must say it is that pod."""
     values = dict.fromkeys(_COUNTER_NAMES.values(), 0.0)
     modes: dict[str, float] = {}
     drift: float | None = None
     started: float | None = None
+    pod_uid: str | None = None
     gauges: dict[str, float] = {}
     tenants: dict[str, dict[str, float]] = {}
+    all_requests = 0.0
     seen = False
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name in _READ:
+                    _check(sample.name, sample.value)
                 name = _COUNTER_NAMES.get(sample.name)
-                if name == "requests" and sample.labels.get("outcome") in _REFUSED:
-                    continue
+                if name == "requests":
+                    all_requests += sample.value
+                    if sample.labels.get("outcome") in contract.REFUSED_OUTCOMES:
+                        continue
                 if name is not None:
                     values[name] += sample.value
                     seen = True
                 elif sample.name == contract.STREAM_MODE:
                     modes[sample.labels.get("mode", "")] = sample.value
                 elif sample.name == contract.ENGINE_USAGE_DRIFT and sample.labels.get("kind") == "completion":
-                    drift = sample.value
+                    drift = sample.value if math.isfinite(sample.value) else None
                 elif sample.name == contract.START_TIME:
                     started = sample.value
+                elif sample.name == contract.RUNTIME_INFO:
+                    pod_uid = sample.labels.get("pod_uid", "")
                 elif sample.name in _FINAL_GAUGES:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
                 elif sample.name in _TENANT_NAMES:
@@ -100,11 +127,33 @@ def parse_sample(text: str) -> PodSample:
         raise MetricsParseError(f"not Prometheus text: {err}") from None
     if not seen:
         raise MetricsParseError("no Tally usage series in the response")
+    if started is None or started <= 0:
+        raise MetricsParseError(f"no {contract.START_TIME}: the counters' epoch is unknown")
+    if expected_pod_uid is not None and pod_uid != expected_pod_uid:
+        raise MetricsParseError(f"the runtime says it is pod {pod_uid or 'unknown'!r}, not {expected_pod_uid!r}")
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
     final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
         and not gauges.get(contract.QUEUED_REQUESTS)
-    return PodSample(Counters(**values), mode, drift, started, final,
-                     {tenant: Counters(**counts) for tenant, counts in tenants.items()})
+    bounded, capped = bounded_tenants({t: Counters(**counts) for t, counts in tenants.items()}, MAX_TENANTS_PER_POD)
+    return PodSample(Counters(**values), mode, drift, started, final, bounded, all_requests, pod_uid or "", capped)
+
+
+def _check(name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise MetricsParseError(f"{name} is {value}: counters must be finite and not negative")
+
+
+def bounded_tenants(tenants: Mapping[str, Counters], limit: int) -> tuple[dict[str, Counters], int]:
+    """At most `limit` tenants (the first by name; `other` always kept); the rest added into `other`.
+    Returns them and how many were folded in."""
+    names = sorted(t for t in tenants if t != contract.OTHER_TENANT)
+    kept = {t: tenants[t] for t in names[:limit]}
+    other = tenants.get(contract.OTHER_TENANT, Counters())
+    for name in names[limit:]:
+        other = other.plus(tenants[name])
+    if contract.OTHER_TENANT in tenants or len(names) > limit:
+        kept[contract.OTHER_TENANT] = other
+    return kept, max(0, len(names) - limit)
 
 
 def stream_mode(samples: Iterable[PodSample]) -> str:

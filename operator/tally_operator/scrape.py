@@ -1,28 +1,62 @@
-"""I/O: concurrent, bounded, time-limited GETs of pod /metrics. A slow or dead pod never stalls the rest."""
+"""I/O: concurrent, bounded, time-limited HTTP calls to the pods. A slow, dead or hostile pod never stalls
+or breaks the rest: every pod's result is its own (the body, or the exception that ended the attempt),
+and a body larger than `max_bytes` is refused while it streams."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import httpx
 
+MAX_METRICS_BYTES = 4 << 20  # a runtime's /metrics is a few KB; 100 tenants make it tens of KB
+T = TypeVar("T")
 
-async def scrape(urls: Mapping[str, str], concurrency: int, per_pod_seconds: float) -> dict[str, str | Exception]:
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def scrape(urls: Mapping[str, str], concurrency: int, per_pod_seconds: float,
+                 max_bytes: int = MAX_METRICS_BYTES) -> dict[str, str | Exception]:
     """GET every url (key -> url); each result is the body text or the exception that ended the attempt."""
+    async def get(client: httpx.AsyncClient, url: str) -> str:
+        async with client.stream("GET", url) as response:
+            response.raise_for_status()
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise BodyTooLarge(f"the response is larger than {max_bytes} bytes")
+            return body.decode("utf-8", errors="replace")
+
+    return await _each(urls, concurrency, per_pod_seconds, get)
+
+
+async def post_json(calls: Mapping[str, tuple[str, Mapping[str, Any]]], concurrency: int,
+                    per_pod_seconds: float) -> dict[str, int | Exception]:
+    """POST a JSON body to every url (key -> (url, body)); each result is the status code or the exception."""
+    async def post(client: httpx.AsyncClient, call: tuple[str, Mapping[str, Any]]) -> int:
+        response = await client.post(call[0], json=dict(call[1]))
+        return response.status_code
+
+    return await _each(calls, concurrency, per_pod_seconds, post)
+
+
+async def _each(items: Mapping[str, T], concurrency: int, per_pod_seconds: float,
+                call: Callable[[httpx.AsyncClient, T], Awaitable[Any]]) -> dict[str, Any]:
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(client: httpx.AsyncClient, url: str) -> str | Exception:
+    async def one(client: httpx.AsyncClient, item: T) -> Any:
         async with limit:
             try:
                 async with asyncio.timeout(per_pod_seconds):
-                    response = await client.get(url)
-                    response.raise_for_status()
-                    return response.text
-            except (httpx.HTTPError, TimeoutError, OSError) as err:
+                    return await call(client, item)
+            except Exception as err:  # whatever went wrong is this pod's alone (InvalidURL included)
                 return err
 
     async with httpx.AsyncClient(timeout=per_pod_seconds, trust_env=False) as client:
-        keys = list(urls)
-        results = await asyncio.gather(*(one(client, urls[k]) for k in keys))
+        keys = list(items)
+        results = await asyncio.gather(*(one(client, items[k]) for k in keys))
     return dict(zip(keys, results, strict=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -50,7 +51,30 @@ def serve(settings: Settings) -> None:
     app = create_app(settings, build_engine(settings), exit_now)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, access_log=False))
-    server.run()
+    server.run(sockets=[listening_socket(settings.host, settings.port)])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """`::` listens on IPv6 and IPv4 alike (pods may get either address); where the kernel has no IPv6,
+    it falls back to every IPv4 address."""
+    if host == "::":
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        except OSError:
+            host, sock = "0.0.0.0", socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        fail(f"cannot listen on {host}:{port}: {err}")
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -37,12 +37,15 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         journal = Journal(Path(settings.journal_path)) if settings.journal_path else None
         resumed = journal.load() if journal is not None else None
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
-                           totals=resumed or Totals(), max_tenants=settings.max_tenants)
+                           totals=resumed or Totals(), max_tenants=settings.max_tenants, pod_uid=settings.pod_uid)
         records = RecordSink(settings.usage_records, settings.usage_records_file) \
             if settings.usage_records or settings.usage_records_file else None
         if resumed is not None:
             log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
                      sum(resumed.requests.values()))
+        if journal is not None:  # at once: a restart before the first request keeps this epoch
+            journal.write(metrics_.totals)
+            metrics_.journal_healthy.set_function(lambda: 1.0 if journal.healthy else 0.0)
         metrics_.set_stream_mode(str(info.stream_mode))
         metrics_.engine_healthy.set_function(lambda: 1.0 if engine.health().ok else 0.0)
         app.state.started = int(time.time())
@@ -61,6 +64,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         try:
             yield
         finally:
+            await server.settle()
             await engine.stop()
             if records is not None:
                 records.close()

@@ -26,11 +26,16 @@ ENGINE_HEALTHY = f"{PREFIX}_engine_healthy"  # gauge: 1 when the engine can gene
 # journal does (the counters continue); a new value means they started again from zero.
 START_TIME = f"{PREFIX}_start_time_seconds"
 DRAINING = f"{PREFIX}_draining"  # gauge: 1 once SIGTERM was received (a read when idle then is the final one)
+RUNTIME_INFO = f"{PREFIX}_runtime_info"  # gauge{pod_uid}: 1; which pod this runtime says it is
+JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter journal cannot be written
+# The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every
+# outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
+FINAL_READ_PATH = "/internal/final-read"
 # gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"
 
 # Per consumer (the tenant header or the OpenAI `user` field), at most --max-tenants label values
-TENANT_REQUESTS = f"{PREFIX}_tenant_requests"  # counter{tenant}: finished requests (as REQUESTS counts them)
+TENANT_REQUESTS = f"{PREFIX}_tenant_requests"  # counter{tenant}: requests served (refused ones are not)
 TENANT_PROMPT_TOKENS = f"{PREFIX}_tenant_prompt_tokens"  # counter{tenant}
 TENANT_COMPLETION_TOKENS = f"{PREFIX}_tenant_completion_tokens"  # counter{tenant}
 TENANT_CACHED_TOKENS = f"{PREFIX}_tenant_cached_tokens"  # counter{tenant}
@@ -47,6 +52,9 @@ OUTCOME_ABORTED = "aborted"  # the client went away
 OUTCOME_ERROR = "error"  # the engine failed mid-request
 OUTCOME_INVALID = "invalid"  # rejected before generating (4xx)
 OUTCOME_OVERLOADED = "overloaded"  # rejected with 503
+# Refused before they started: in tally_requests_total, never in usage, per-tenant series or the operator's
+# request totals
+REFUSED_OUTCOMES = frozenset({OUTCOME_INVALID, OUTCOME_OVERLOADED})
 
 STREAM_MODES = ("incremental", "cumulative")
 

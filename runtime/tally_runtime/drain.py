@@ -1,12 +1,17 @@
-"""SIGTERM: stop admitting, let what is in flight finish, wait for a last read of /metrics, then exit.
+"""SIGTERM: stop admitting, let what is in flight finish, wait for the operator's final read, then exit.
 
 The runtime owns the signal. SGLang installs its own SIGTERM handler on the serving loop the first time
 it generates (SGLANG_CONTRACT.md §6) and would end the process while streams are still open, so this
 handler is installed after the engine has started, replacing it. A second SIGTERM exits at once.
 
 While draining, /health answers 503 (the pod leaves its Service), new requests get 503 with
-Retry-After, and /metrics keeps answering, so that the operator can book the final counters
-(`final_read_seconds`: how long an idle, draining runtime waits for that read).
+Retry-After, and /metrics keeps answering. In-flight requests get `drain_seconds` to finish; past that
+they are aborted in the engine and billed what it generated. Then the runtime waits up to
+`final_read_seconds` (a budget of its own, however late the drain ended) for the final-read handshake:
+the operator reads /metrics, books those counters in the CompletionService's status, and then posts them
+back to `POST /internal/final-read`. Only an acknowledgement that names this process's epoch and exactly
+its final counters ends the wait, so a Prometheus or a curious client reading /metrics never makes the
+pod exit before its last counters were booked.
 """
 
 from __future__ import annotations
@@ -15,11 +20,27 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from tally_runtime.ledger import Totals
 from tally_runtime.serving import Server
 
 log = logging.getLogger("tally_runtime.drain")
+
+ABORT_GRACE_SECONDS = 10.0  # after the deadline: for aborted runs to deliver their final counts
+
+
+def final_counters(totals: Totals) -> dict[str, float]:
+    """What an acknowledgement must match: the epoch and the counters the operator books."""
+    return {"epoch": totals.epoch, "requests": sum(totals.requests.values()), "promptTokens": totals.prompt_tokens,
+            "completionTokens": totals.completion_tokens, "cachedTokens": totals.cached_tokens}
+
+
+def matches(acknowledged: Mapping[str, Any], totals: Totals) -> bool:
+    expected = final_counters(totals)
+    return all(isinstance(acknowledged.get(key), int | float) and not isinstance(acknowledged.get(key), bool)
+               and float(acknowledged[key]) == value for key, value in expected.items())
 
 
 class Drain:
@@ -50,27 +71,39 @@ class Drain:
                  self.server.admission.used, self.server.admission.queued, self.drain_seconds)
         self.task = asyncio.get_running_loop().create_task(self.run())
 
-    def metrics_read(self) -> None:
-        """/metrics was served; once draining is done, that read holds the final counters."""
-        if self.server.draining and self.server.admission.idle:
+    def acknowledge(self, acknowledged: Mapping[str, Any]) -> bool:
+        """The operator booked these counters. True (and the wait ends) only when draining is done and
+        they are exactly this process's final ones."""
+        done = self.server.draining and self.server.admission.idle and not self.server.closing
+        if done and matches(acknowledged, self.server.metrics.totals):
             self.final_read.set()
+            return True
+        return False
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_seconds
+        server = self.server
         try:
             async with asyncio.timeout(self.drain_seconds):
-                await self.server.admission.wait_idle()
+                await server.admission.wait_idle()
         except TimeoutError:
-            log.warning("Drain deadline reached with %d generation(s) still running", self.server.admission.used)
-            self.exit_now()
-            return
-        if self.final_read_seconds > 0:
-            wait = max(0.0, min(self.final_read_seconds, deadline - loop.time()))
+            log.warning("Drain deadline reached with %d generation(s) still running: aborting them",
+                        server.admission.used)
+            server.abort_all()
             try:
-                async with asyncio.timeout(wait):
-                    await self.final_read.wait()
-                log.info("Drained; the final counters were read")
+                async with asyncio.timeout(ABORT_GRACE_SECONDS):
+                    await server.admission.wait_idle()
             except TimeoutError:
-                log.warning("Drained, but nobody read the final counters within %.0fs", wait)
+                log.error("%d generation(s) did not end after their abort: exiting without them",
+                          server.admission.used)
+                self.exit_now()
+                return
+        await server.settle()
+        if self.final_read_seconds > 0:
+            try:
+                async with asyncio.timeout(self.final_read_seconds):
+                    await self.final_read.wait()
+                log.info("Drained; the operator booked the final counters")
+            except TimeoutError:
+                log.warning("Drained, but no operator booked the final counters within %.0fs",
+                            self.final_read_seconds)
         self.exit_now()

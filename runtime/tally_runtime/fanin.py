@@ -2,6 +2,11 @@
 
 Each choice is pumped by its own task into one mailbox (like vLLM's `merge_async_iterators`), so a
 consumer that lags finds several deltas waiting and takes them at once.
+
+Ending a request early (its client left, another choice failed, the drain ran out of time) asks the engine
+to abort each unfinished choice and then waits, briefly, for the engine's last word on it: the final item
+that carries what it generated (SGLang counts a token or two past the last item we read). Only a choice
+that does not end within that bound is cancelled outright, billed as far as we read it.
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ from contextlib import aclosing
 
 from tally_runtime.engine.base import Delta, Engine, EngineError, GenerationRequest
 
+Batch = list[tuple[int, Delta]]
+
+# How long an aborted choice may take to deliver its final counts before it is cancelled outright.
+ABORT_SETTLE_SECONDS = 5.0
+
 
 class Mailbox:
     """Deltas from many producer tasks to one consumer, taken all at once: what piled up is one batch."""
 
     def __init__(self, producers: int) -> None:
-        self.items: list[tuple[int, Delta]] = []
+        self.items: Batch = []
         self.open = producers
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -35,9 +45,9 @@ class Mailbox:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def take_all(self) -> list[tuple[int, Delta]]:
-        """Everything waiting; empty only once every producer is done or one has failed."""
-        while not self.items and self.open and self.error is None:
+    async def take_all(self, stop_on_error: bool = True) -> Batch:
+        """Everything waiting; empty only once every producer is done (or, by default, one has failed)."""
+        while not self.items and self.open and (self.error is None or not stop_on_error):
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -47,39 +57,73 @@ class Mailbox:
         return items
 
 
-async def merge_choices(engine: Engine,
-                        requests: Sequence[GenerationRequest]) -> AsyncIterator[list[tuple[int, Delta]]]:
-    """Interleave the choices' deltas in arrival order, batching whatever is already waiting.
+class Choices:
+    """The running choices of one request: their deltas as batches, and a way to end them early."""
 
-    Each choice is pumped by its own task into one mailbox, so a slow consumer finds several deltas
-    ready and takes them at once. An engine error ends the stream after the deltas that came before
-    it. Closing this aborts every choice still running.
-    """
-    mailbox = Mailbox(len(requests))
+    def __init__(self, engine: Engine, requests: Sequence[GenerationRequest]) -> None:
+        self.engine = engine
+        self.requests = list(requests)
+        self.mailbox = Mailbox(len(self.requests))
+        self.finished: set[int] = set()  # choices whose engine generator has ended
+        self.aborting = False
+        self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
 
-    async def pump(index: int, request: GenerationRequest) -> None:
+    async def _pump(self, index: int, request: GenerationRequest) -> None:
         last: Delta | None = None
-        try:
-            async with aclosing(engine.generate(request)) as deltas:  # type: ignore[type-var]
-                async for last in deltas:
-                    mailbox.put((index, last))
-        except Exception as err:
-            mailbox.close(err)
+        if self.aborting:  # aborted before it reached the engine: nothing to generate or bill
+            self.finished.add(index)
+            self.mailbox.close()
             return
+        try:
+            async with aclosing(self.engine.generate(request)) as deltas:  # type: ignore[type-var]
+                async for last in deltas:
+                    if last.finish_reason is not None:
+                        self.finished.add(index)  # the engine is done with it: nothing left to abort
+                    self.mailbox.put((index, last))
+        except Exception as err:
+            self.finished.add(index)
+            self.mailbox.close(err)
+            return
+        self.finished.add(index)
         if last is None or last.finish_reason is None:
-            mailbox.close(EngineError("The engine ended a generation without a finish reason", 500))
+            self.mailbox.close(EngineError("The engine ended a generation without a finish reason", 500))
         else:
-            mailbox.close()
+            self.mailbox.close()
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        while batch := await mailbox.take_all():
+    async def batches(self) -> AsyncIterator[Batch]:
+        """Interleave the choices' deltas in arrival order, batching whatever is already waiting. An engine
+        error ends the stream after the deltas that came before it."""
+        while batch := await self.mailbox.take_all():
             yield batch
-            if mailbox.error is not None:
+            if self.mailbox.error is not None:
                 break
-        if mailbox.error is not None:
-            raise mailbox.error
-    finally:
-        for task in tasks:
+        if self.mailbox.error is not None:
+            raise self.mailbox.error
+
+    async def abort(self, settle_seconds: float = ABORT_SETTLE_SECONDS) -> Batch:
+        """Abort every unfinished choice and return what the engine still sent for them (their final
+        counts among it), waiting at most `settle_seconds`; then cancel whatever is left."""
+        self.abort_engine()
+        late: Batch = []
+        try:
+            async with asyncio.timeout(settle_seconds):
+                while batch := await self.mailbox.take_all(stop_on_error=False):
+                    late.extend(batch)
+        except TimeoutError:
+            late.extend(self.mailbox.items)
+            self.mailbox.items = []
+        await self.cancel()
+        return late
+
+    def abort_engine(self) -> None:
+        """Ask the engine to end every unfinished choice; one not started yet never starts."""
+        self.aborting = True
+        for index, request in enumerate(self.requests):
+            if index not in self.finished:
+                self.engine.abort(request.request_id)
+
+    async def cancel(self) -> None:
+        """End every pump now (closing a generation aborts it in the engine too)."""
+        for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)

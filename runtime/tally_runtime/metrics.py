@@ -28,6 +28,7 @@ class Metrics:
     # The usage counters as plain numbers (what the journal stores); given, the series continue from them.
     totals: Totals = field(default_factory=Totals)
     max_tenants: int = 100  # tenant label values beyond this many go to the "other" bucket
+    pod_uid: str = ""  # the pod this runtime serves in, as the operator told it
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -61,6 +62,12 @@ class Metrics:
                            "as of the last moment no request was in flight", ["kind"], registry=r)
         self.start_time = Gauge(contract.START_TIME, "When these usage counters began (unix seconds)", registry=r)
         self.draining = Gauge(contract.DRAINING, "1 once the runtime is shutting down", registry=r)
+        Gauge(contract.RUNTIME_INFO, "Which pod this runtime serves in", ["pod_uid"], registry=r).labels(
+            self.pod_uid).set(1)
+        self.journal_healthy = Gauge(contract.JOURNAL_HEALTHY,
+                                     "0 while the counter journal cannot be written (a restart starts a new epoch)",
+                                     registry=r)
+        self.journal_healthy.set(1)
         self.tenant_series = (
             Counter(contract.TENANT_REQUESTS, "Finished requests per tenant", ["tenant"], registry=r),
             Counter(contract.TENANT_PROMPT_TOKENS, "Prompt tokens per tenant (engine-sourced)", ["tenant"], registry=r),

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import orjson
 
+from tally_runtime import contract
+from tally_runtime.protocol import ApiError
+
 log = logging.getLogger("tally_runtime.records")
 
 SCHEMA = "tally.usage.v1"
@@ -52,10 +55,17 @@ MAX_TENANT_LENGTH = 128
 
 
 def tenant_of(header: str | None, user: str | None) -> str:
-    """Who the request is for: the gateway's tenant header wins over the client's own `user` field."""
-    for value in (header, user):
+    """Who the request is for: the gateway's tenant header wins over the client's own `user` field.
+
+    A tenant that names itself `other` would be booked together with the tenants beyond the bound (the
+    shared `other` series), so it is refused; `anonymous` means what it says and shares that bucket."""
+    for value, param in ((header, "tenant header"), (user, "user")):
         if value and value.strip():
-            return value.strip()[:MAX_TENANT_LENGTH]
+            tenant = value.strip()[:MAX_TENANT_LENGTH]
+            if tenant == contract.OTHER_TENANT:
+                raise ApiError(400, f"The tenant name {tenant!r} is reserved for tenants beyond the server's "
+                                    "bound; use another name", param=param, code="invalid_tenant")
+            return tenant
     return NO_TENANT
 
 

@@ -1,11 +1,16 @@
 """The shared request flow: prepare (4xx before any byte), admit and prime, then stream or answer.
 
 From the moment the body is read until the response starts, a watcher cancels the request if the
-client leaves: a request waiting in the admission queue or in prefill is dropped, not run for nobody."""
+client leaves: a request waiting in the admission queue or in prefill is dropped, not run for nobody.
+
+Every request that reaches a route is recorded exactly once, whatever happens: here when it is refused
+or fails before it is admitted (a client that leaves while sending its body included), by the server
+once it is admitted (serving.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -13,6 +18,7 @@ from typing import Any, TypeVar
 import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from tally_runtime import contract, sse
 from tally_runtime.prepare import Endpoint, Job
@@ -21,6 +27,7 @@ from tally_runtime.records import tenant_of
 from tally_runtime.serving import Server
 
 T = TypeVar("T")
+log = logging.getLogger("tally_runtime.respond")
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
 
@@ -40,15 +47,19 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
     started = time.monotonic()
     try:
         job = await prepare()
-        tenant = tenant_of(header, job.user)
-        run = await until_disconnected(request, server.start(job, tenant))
+        run = await until_disconnected(request, server.start(job, tenant_of(header, job.user), started))
     except ApiError as error:
-        server.reject(endpoint.name, error, tenant_of(header, job.user if job else None), job)
+        server.reject(endpoint.name, error, tenant_or_none(header, job), job)
         return error_response(error)
-    except ClientGone:  # left while queued or in prefill: nothing was generated for it
-        assert job is not None
-        server.abandon(endpoint.name, contract.OUTCOME_ABORTED, tenant, job, started)
+    except ClientGone:  # left while queued or in prefill: the server recorded it
         return Response(status_code=CLIENT_CLOSED)
+    except ClientDisconnect:  # left while sending its body: nothing was prepared
+        server.abandon(endpoint.name, contract.OUTCOME_ABORTED, tenant_or_none(header, None), None, started)
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception:
+        log.exception("Request to %s failed before it was admitted", endpoint.name)
+        server.fail(endpoint.name, tenant_or_none(header, job), started)
+        return error_response(ApiError(500, "Internal error while preparing the request"))
     if job.stream:
         return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)
     try:
@@ -58,6 +69,14 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     return json_response(payload)
+
+
+def tenant_or_none(header: str | None, job: Job | None) -> str:
+    """The tenant a refused request is recorded under; one whose tenant is itself refused is anonymous."""
+    try:
+        return tenant_of(header, job.user if job else None)
+    except ApiError:
+        return tenant_of(None, None)
 
 
 class ClientGone(Exception):

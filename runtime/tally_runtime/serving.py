@@ -5,6 +5,13 @@ engine refusals still become HTTP errors before the first byte; a refused reques
 bills nothing. A `Run` then either streams SSE bytes or builds one JSON response, and records its usage
 and outcome exactly once when it closes. Per-request state lives in the `Run` only, so one request's
 output or error cannot reach another's stream.
+
+Who records what, so that every request is recorded exactly once: the HTTP layer (respond.py) records
+requests refused before they were admitted; `Server.start` records a client that left while queued;
+a `Run`, once admitted, records itself when it closes, however it ends (finished, failed, its client
+gone in prefill or mid-stream). A run that ends early aborts its unfinished choices and bills what the
+engine reports it generated for them; that last part runs in a task of its own, so a cancelled request
+task cannot cut the books short, and the run's slots are released only once the engine is done with it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 from tally_runtime import contract, sse
 from tally_runtime.admission import Admission, QueueFull
 from tally_runtime.engine.base import Delta, Engine, EngineError, EngineInfo, FinishReason, InvalidRequestError
-from tally_runtime.fanin import merge_choices
+from tally_runtime.fanin import Batch, Choices
 from tally_runtime.ledger import Journal
 from tally_runtime.metrics import Metrics
 from tally_runtime.prepare import Job, Preparer
@@ -58,6 +65,9 @@ class Server:
         self.prepare = Preparer(engine, info, model, limit, force_include_usage)
         self.admission = Admission(limit, max_queued, max_queue_seconds)
         self.draining = False
+        self.stopping = False  # past the drain's deadline: queued requests are refused when their turn comes
+        self.runs: set[Run] = set()  # admitted and not yet closed
+        self.closing: set[asyncio.Task[None]] = set()  # runs finishing their books (see Run.close)
 
     def reject(self, endpoint: str, error: ApiError, tenant: str, job: Job | None = None) -> None:
         """Record a request refused before it started: once, with no usage."""
@@ -75,27 +85,55 @@ class Server:
             duration_seconds=max(0.0, time.monotonic() - started) if started else 0.0)
         self.record(record, "none")
 
+    def fail(self, endpoint: str, tenant: str, started: float) -> None:
+        """Record a request that failed unexpectedly before it was admitted: an error, no usage."""
+        self.abandon(endpoint, contract.OUTCOME_ERROR, tenant, None, started)
+
     def record(self, record: UsageRecord, finish_reason: str, usage: RequestUsage | None = None) -> None:
         """Count one finished request: the metrics, the journal and the usage record, from the same numbers."""
         self.metrics.record_request(record.endpoint, record.outcome, finish_reason)
         if usage is not None:
             self.metrics.record_usage(usage)
-        self.metrics.record_tenant(record.tenant, usage)
+        if record.outcome not in contract.REFUSED_OUTCOMES:  # per tenant as in the totals: what was served
+            self.metrics.record_tenant(record.tenant, usage)
         if self.journal is not None:
             self.journal.write(self.metrics.totals)
         if self.records is not None:
             self.records.write(record)
 
-    async def start(self, job: Job, tenant: str) -> Run:
-        """Admit the job and prime its first delta, so engine refusals still become HTTP errors."""
-        await self._admit(job)
+    async def start(self, job: Job, tenant: str, started: float = 0.0) -> Run:
+        """Admit the job and prime its first delta, so engine refusals still become HTTP errors.
+
+        An `ApiError` (refused: not admitted, or the engine refused it before its first token) is left to
+        the caller to record; a client that leaves while queued is recorded here, one that leaves in
+        prefill by its run."""
+        try:
+            await self._admit(job)
+        except asyncio.CancelledError:
+            self.abandon(job.endpoint.name, contract.OUTCOME_ABORTED, tenant, job, started)
+            raise
         run = Run(self, job, tenant)
         try:
             await run.prime()
-        except BaseException:
+        except ApiError:
             await run.close(refused=True)
             raise
+        except BaseException:
+            await run.close()
+            raise
         return run
+
+    async def settle(self) -> None:
+        """Until every closed run has finished its books (before the engine stops)."""
+        while self.closing:
+            await asyncio.gather(*self.closing, return_exceptions=True)
+
+    def abort_all(self) -> None:
+        """The drain's deadline: ask the engine to end every running generation (each run then ends with an
+        error event and is billed what the engine generated), and admit nobody still queued."""
+        self.stopping = True
+        for run in list(self.runs):
+            run.abort()
 
     async def _admit(self, job: Job) -> None:
         if self.draining:
@@ -110,15 +148,16 @@ class Server:
                                 "retry shortly", code="overloaded", headers=RETRY_AFTER) from None
         finally:
             self.metrics.queued.dec()
+        if self.stopping:
+            self.admission.release(job.generations)
+            raise ApiError(503, "The server is shutting down; retry on another replica", code="shutting_down",
+                           headers=RETRY_AFTER)
         self.metrics.queue_time.observe(time.monotonic() - queued_at)
         self.metrics.inflight.inc(job.generations)
 
     def release(self, job: Job) -> None:
         self.admission.release(job.generations)
         self.metrics.inflight.dec(job.generations)
-
-
-Batch = list[tuple[int, Delta]]
 
 
 class Run:
@@ -134,10 +173,12 @@ class Run:
         self.time_to_first_token: float | None = None
         self.last_token_at: dict[int, float] = {}  # per choice: inter-token latency is per choice
         self.first: Batch | None = None
-        self.events: AsyncIterator[Batch] = merge_choices(server.engine, job.requests())
+        self.choices = Choices(server.engine, job.requests())
+        self.events: AsyncIterator[Batch] = self.choices.batches()
         self.outcome = contract.OUTCOME_ABORTED
         self.finish_reason = "none"
         self.closed = False
+        server.runs.add(self)
 
     async def prime(self) -> None:
         try:
@@ -160,14 +201,15 @@ class Run:
 
     def account(self, batch: Batch, each: Callable[[int, Delta], None]) -> EngineError | None:
         """Usage, finish reason and token latency for one batch; `each` sees every delta right after it
-        was counted. Returns the engine's abort as an error (the deltas after it are not passed on)."""
+        was counted. Returns an engine's abort as an error, once the whole batch is counted: the other
+        choices' deltas in it are passed on, only the aborted choice's last delta is not."""
         tokens: dict[int, int] = {}
         failure = None
         for index, delta in batch:
             self.usage[index].observe(delta)
             if delta.finish_reason == FinishReason.ABORT:
-                failure = EngineError("The engine aborted the generation", 500)
-                break
+                failure = failure or EngineError("The engine aborted the generation", 500)
+                continue
             if delta.finish_reason is not None:
                 self.finish_reason = str(delta.finish_reason)
             if delta.token_ids:
@@ -193,23 +235,47 @@ class Run:
                 metrics.observe_tokens(now - previous, count)
             self.last_token_at[index] = now
 
-    async def close(self, refused: bool = False) -> None:
-        """Abort whatever still runs, release capacity, and record the request exactly once.
+    def abort(self) -> None:
+        """Ask the engine to end this run's generations; each then ends with an ABORT delta."""
+        self.choices.abort_engine()
 
-        A refused request (it failed while priming) is recorded by the caller as rejected, unbilled."""
+    async def close(self, refused: bool = False) -> None:
+        """End the run once: abort whatever still runs, record the request, release its slots.
+
+        Choices still running are aborted and briefly awaited for the engine's final counts, which are
+        billed. That work runs in a task of its own: when the client leaves, the task serving it is being
+        cancelled, and the books must be finished all the same. A refused request (the engine refused it
+        while priming) is recorded by the caller as rejected, unbilled."""
         if self.closed:
             return
         self.closed = True
+        finishing = asyncio.ensure_future(self._finish(refused))
+        self.server.closing.add(finishing)
+        finishing.add_done_callback(self.server.closing.discard)
+        await asyncio.shield(finishing)
+
+    async def _finish(self, refused: bool) -> None:
+        server = self.server
         try:
             await self.events.aclose()  # type: ignore[attr-defined]
+            if refused:
+                await self.choices.cancel()
+            else:
+                for index, delta in await self.choices.abort():
+                    self.usage[index].observe(delta)
+        except Exception:
+            log.exception("Ending generation %s failed; it is billed as far as it was read", self.job.header.id)
+            await self.choices.cancel()
         finally:
-            server = self.server
-            server.release(self.job)
-            if not refused:
-                duration = time.monotonic() - self.started
-                usage = request_usage(self.usage)
-                server.record(self.usage_record(usage, duration), self.finish_reason, usage)
-                server.metrics.e2e.observe(duration)
+            server.runs.discard(self)
+            try:
+                if not refused:
+                    duration = time.monotonic() - self.started
+                    usage = request_usage(self.usage)
+                    server.record(self.usage_record(usage, duration), self.finish_reason, usage)
+                    server.metrics.e2e.observe(duration)
+            finally:
+                server.release(self.job)
 
     def usage_record(self, usage: RequestUsage, duration: float) -> UsageRecord:
         job = self.job

@@ -40,6 +40,7 @@ class Settings:
     max_running_requests: int = 0  # 0: SGLang's default
     trust_remote_code: bool = False
     log_level: str = "info"
+    pod_uid: str = ""  # the operator sets it from the downward API
     engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
 
 
@@ -66,8 +67,8 @@ _HELP: dict[str, str] = {
     "max_queued_requests": "requests that may wait for admission; beyond that, 503 + Retry-After (0: no queue)",
     "max_queue_seconds": "longest a request waits for admission before it gets 503 + Retry-After",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
-    "final_read_seconds": "on SIGTERM, once drained, how long to wait for /metrics to be read once more "
-    "(the operator books the final counters); 0 exits at once",
+    "final_read_seconds": "on SIGTERM, once drained, how long to wait for the operator to book the final "
+    "counters (it posts them back to /internal/final-read); 0 exits at once",
     "usage_records": "write one JSON usage record per request to standard output (logs go to standard error)",
     "usage_records_file": "also append the usage records to this file",
     "tenant_header": "request header that names the consumer (set by your gateway); it wins over the OpenAI "
@@ -84,6 +85,8 @@ _HELP: dict[str, str] = {
     "max_running_requests": "SGLang limit on running requests; 0 keeps SGLang's default",
     "trust_remote_code": "let SGLang run model code shipped with the checkpoint",
     "log_level": "uvicorn and runtime log level",
+    "pod_uid": "the uid of the pod this runtime serves in, exported as tally_runtime_info{pod_uid} so that a "
+    "scraper can tell it reached the pod it meant (a pod IP can be reused)",
     "engine_args": "extra SGLang server arguments, e.g. --engine-args='--stream-interval 2'",
 }
 

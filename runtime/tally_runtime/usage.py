@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tally_runtime.engine.base import Delta
+from tally_runtime.engine.base import Delta, FinishReason
 
 
 @dataclass(slots=True)
@@ -36,7 +36,8 @@ class ChoiceUsage:
     finish_reason: str | None = None
 
     def observe(self, delta: Delta) -> None:
-        """Keep the last value the engine reported for each count (an abort item may lack some)."""
+        """Keep the last value the engine reported for each count (an abort item may lack some). An aborted
+        choice's last delta is observed too: its counts say what the engine generated for it."""
         self.ids_streamed += len(delta.token_ids)
         self.ids_dropped += delta.dropped_ids
         if delta.prompt_tokens is not None:
@@ -47,8 +48,8 @@ class ChoiceUsage:
             self.cached_tokens = delta.cached_tokens
         if delta.reasoning_tokens is not None:
             self.reasoning_tokens = delta.reasoning_tokens
-        if delta.finish_reason is not None:
-            self.finish_reason = str(delta.finish_reason)
+        if delta.finish_reason is not None and delta.finish_reason != FinishReason.ABORT:
+            self.finish_reason = str(delta.finish_reason)  # an aborted choice did not finish: None
 
     @property
     def derived(self) -> bool:

@@ -133,3 +133,30 @@ def test_an_unexpected_engine_failure_is_still_the_openai_envelope(after: int, s
         assert error["type"] == "server_error" and "unexpected engine failure" not in error["message"]
         ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200  # the server keeps serving
+
+
+class TemplateFails:
+    """The real engine, whose chat template raises for one conversation (a template that cannot render it)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def render_chat(self, messages: Any) -> str:
+        if any("BREAK" in m["content"] for m in messages):
+            raise RuntimeError("the template cannot render this conversation")
+        return str(self.inner.render_chat(messages))
+
+
+def test_a_failure_while_preparing_is_a_500_envelope_recorded_once() -> None:
+    with serving(app_with(TemplateFails)) as url:
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                              json={"messages": [{"role": "user", "content": "BREAK"}], "max_tokens": 2})
+        assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+        assert "cannot render" not in response.text  # the engine's words stay in the log
+        metrics = httpx.get(f"{url}/metrics").text
+        assert metric_value(metrics, "tally_requests_total") == 1
+        assert metric_value(metrics, "tally_requests_total", {"outcome": "error"}) == 1
+        assert metric_value(metrics, "tally_prompt_tokens_total") == 0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import signal
 from pathlib import Path
 
 import httpx
 import openai
 from runtime_harness import metric_value, runtime_process, sse_payloads, until
+
+from tally_runtime.ledger import Journal
 
 LONG = {"prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
@@ -50,13 +51,23 @@ def test_queue_bounds_give_503_with_retry_after(tmp_path: Path) -> None:
         assert metric_value(metrics, "tally_queued_requests") == 0
 
 
-def test_sigterm_drains_in_flight_streams_and_waits_for_the_final_read(tmp_path: Path) -> None:
+def acknowledgement(metrics: str) -> dict[str, float]:
+    """What the operator posts back once it booked a drained runtime's final counters."""
+    return {"epoch": metric_value(metrics, "tally_start_time_seconds"),
+            "requests": metric_value(metrics, "tally_requests_total"),
+            "promptTokens": metric_value(metrics, "tally_prompt_tokens_total"),
+            "completionTokens": metric_value(metrics, "tally_completion_tokens_total"),
+            "cachedTokens": metric_value(metrics, "tally_cached_tokens_total")}
+
+
+def test_sigterm_drains_in_flight_streams_and_only_the_operators_acknowledgement_ends_it(tmp_path: Path) -> None:
     with runtime_process(tmp_path / "rt.log", "--final-read-seconds", "60") as (proc, url), \
             httpx.Client(base_url=url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 40,
                                                           "stream_options": {"include_usage": True}}) as inflight:
             body = iter(inflight.iter_bytes())
             received = [next(body)]
+            assert http.post("/internal/final-read", json={}).status_code == 409  # not draining yet
             proc.send_signal(signal.SIGTERM)
             assert until(lambda: http.get("/health").status_code == 503, 10)
             assert http.get("/health").json()["status"] == "draining"
@@ -65,10 +76,36 @@ def test_sigterm_drains_in_flight_streams_and_waits_for_the_final_read(tmp_path:
             received.extend(body)
         events = sse_payloads(b"".join(received))
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
-        assert proc.poll() is None  # drained, waiting for its counters to be read
         final = http.get("/metrics").text
+        for _ in range(20):  # a Prometheus, kubectl or a curious client reading /metrics ends nothing
+            http.get("/metrics")
         assert metric_value(final, "tally_requests_total", {"outcome": "ok"}) == 1
         assert metric_value(final, "tally_completion_tokens_total") == 40
+        wrong = {**acknowledgement(final), "completionTokens": 39}
+        assert http.post("/internal/final-read", json=wrong).status_code == 409
+        assert http.post("/internal/final-read", content=b"[" * 10_000).status_code == 400
+        assert proc.poll() is None  # drained, still waiting for its counters to be booked
+        assert http.post("/internal/final-read", json=acknowledgement(final)).status_code == 200
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_drain_past_its_deadline_aborts_what_runs_and_still_waits_for_the_final_read(tmp_path: Path) -> None:
+    """The final read has a budget of its own: a drain that ends late does not leave the operator 0 s."""
+    with runtime_process(tmp_path / "rt.log", "--drain-seconds", "1", "--final-read-seconds", "60") as (proc, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 2000}) as inflight:
+            body = iter(inflight.iter_bytes())
+            received = [next(body)]
+            proc.send_signal(signal.SIGTERM)
+            received.extend(body)  # cut at the deadline: an error event, then [DONE]
+        events = sse_payloads(b"".join(received))
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        streamed = sum(1 for e in events if isinstance(e, dict) and e.get("choices"))
+        final = http.get("/metrics").text
+        assert metric_value(final, "tally_requests_total", {"outcome": "error"}) == 1
+        assert metric_value(final, "tally_completion_tokens_total") >= streamed  # what the engine generated
+        assert not until(lambda: proc.poll() is not None, 3)  # well past the drain deadline, still waiting
+        assert http.post("/internal/final-read", json=acknowledgement(final)).status_code == 200
         assert proc.wait(timeout=30) == 0
 
 
@@ -107,6 +144,17 @@ def test_an_unreadable_journal_starts_the_counters_afresh(tmp_path: Path) -> Non
     with runtime_process(tmp_path / "rt.log", "--journal-path", str(journal)) as (_, url):
         metrics = httpx.get(f"{url}/metrics").text
         assert metric_value(metrics, "tally_requests_total") == 0
+        assert metric_value(metrics, "tally_journal_healthy") == 1
         httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
-    written = json.loads(journal.read_text())  # the unreadable bytes were written over, not appended to
-    assert written["version"] == 1 and sum(written["requests"].values()) == 1
+    loaded = Journal(journal).load()  # the unreadable bytes were written over, not continued from
+    assert loaded is not None and sum(loaded.requests.values()) == 1
+
+
+def test_a_restart_before_the_first_request_keeps_the_epoch(tmp_path: Path) -> None:
+    journal = tmp_path / "usage.json"
+    with runtime_process(tmp_path / "first.log", "--journal-path", str(journal)) as (proc, url):
+        epoch = metric_value(httpx.get(f"{url}/metrics").text, "tally_start_time_seconds")
+        proc.kill()
+        proc.wait(timeout=30)
+    with runtime_process(tmp_path / "second.log", "--journal-path", str(journal)) as (_, url):
+        assert metric_value(httpx.get(f"{url}/metrics").text, "tally_start_time_seconds") == epoch

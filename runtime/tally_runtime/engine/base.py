@@ -181,3 +181,9 @@ class Engine(Protocol):
         `EngineError` at any point for failures. Closing the iterator aborts the generation.
         """
         ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop one generation soon, without closing its iterator: the iterator then ends with a delta
+        whose finish reason is ABORT and that carries the engine's final counts (what it generated for
+        the choice, also past the last delta read). A no-op for a generation that already ended."""
+        ...

@@ -3,8 +3,9 @@
 One llama.cpp context per concurrent generation (a pool of `slots`), so interleaved requests never
 evict each other's KV cache; the weights are memory-mapped once and shared. Each generation runs in
 its own thread and hands deltas to the event loop; decode steps take a lock so that two cores work
-on one step at a time instead of fighting over them. Closing a generation sets a flag that the
-thread checks before every step: the abort lands within one token. `stop()` cancels every running
+on one step at a time instead of fighting over them. Aborting or closing a generation sets a flag that
+the thread checks before every step: the abort lands within one token, and the thread's last delta
+(ABORT) says how many tokens it generated. `stop()` cancels every running
 generation and joins its thread before it frees a context: freeing one under a thread that is still
 inside llama.cpp's decode crashed the process.
 """
@@ -73,6 +74,7 @@ class LlamaCppEngine:
         self._health = Health(False, "engine is starting")
         self._template: Any = None
         self._running: dict[threading.Thread, threading.Event] = {}  # generation thread -> its cancel flag
+        self._cancels: dict[str, threading.Event] = {}  # request id -> its cancel flag, while it runs
         self._stopping = False
 
     @classmethod
@@ -157,16 +159,33 @@ class LlamaCppEngine:
 
     # ---- generation
 
+    def abort(self, request_id: str) -> None:
+        cancel = self._cancels.get(request_id)
+        if cancel is not None:
+            cancel.set()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         if self._stopping:
             raise EngineError("the engine is stopping", 503)
+        cancel = self._cancels[request.request_id] = threading.Event()
+        try:
+            async for delta in self._generate(request, cancel):
+                yield delta
+        finally:
+            cancel.set()
+            self._cancels.pop(request.request_id, None)
+
+    async def _generate(self, request: GenerationRequest, cancel: threading.Event) -> AsyncIterator[Delta]:
         llama = await self._free.get()
         if self._stopping:
             self._free.put_nowait(llama)
             raise EngineError("the engine is stopping", 503)
+        if cancel.is_set():  # aborted before it had a context: nothing was computed for it
+            self._free.put_nowait(llama)
+            yield Delta(finish_reason=FinishReason.ABORT)
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
-        cancel = threading.Event()
 
         def emit(item: Delta | BaseException) -> None:
             if not loop.is_closed():
@@ -195,7 +214,7 @@ class LlamaCppEngine:
                 if item.finish_reason is not None:
                     return
         finally:
-            cancel.set()
+            cancel.set()  # closed early: the thread stops before its next step
 
     def _run(self, llama: Any, request: GenerationRequest, cancel: threading.Event) -> Iterator[Delta]:
         params = request.sampling
@@ -221,9 +240,12 @@ class LlamaCppEngine:
         try:
             while True:
                 with self._step_lock:
-                    if cancel.is_set():
-                        return
-                    token = int(next(tokens))
+                    token = None if cancel.is_set() else int(next(tokens))
+                if token is None:  # aborted: the last word is what was generated (nothing before prefill)
+                    ran = generated[0] > 0
+                    yield Delta(prompt_tokens=len(prompt) if ran else None, cached_tokens=cached if ran else None,
+                                completion_tokens=generated[0] if ran else None, finish_reason=FinishReason.ABORT)
+                    return
                 generated[0] += 1
                 eog = token in self._eog
                 text = "" if eog else decoder.decode(bytes(llama.detokenize([token])))

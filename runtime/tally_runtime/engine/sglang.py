@@ -102,6 +102,7 @@ class SGLangEngine:
         self._health = Health(False, "engine is starting")
         self._tokenizer: Any = None
         self._probe_usage = (0, 0)
+        self._abort_wanted: set[str] = set()  # aborts asked for; re-sent once SGLang knows the request
         self.generation: compat.Generation | None = None
 
     # ---- lifecycle
@@ -201,6 +202,14 @@ class SGLangEngine:
 
     # ---- generation
 
+    def abort(self, request_id: str) -> None:
+        """SGLang ends the request at its next step with a graceful-abort item that carries its final counts
+        (SGLANG_CONTRACT.md §2.5); the tokenizer manager's abort works on every generation and is a no-op for
+        a request that has already finished."""
+        if self._engine is not None:
+            self._abort_wanted.add(request_id)
+            self._engine.tokenizer_manager.abort_request(request_id)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         params = request.sampling
         want_logprobs = params.logprobs is not None
@@ -213,6 +222,9 @@ class SGLangEngine:
         started = finished = False
         try:
             async for item in generator:
+                if not started and request.request_id in self._abort_wanted:
+                    # asked before SGLang had registered the request, when abort_request is a no-op
+                    self._engine.tokenizer_manager.abort_request(request.request_id)
                 started = True
                 delta = stream.convert(item)
                 finished = delta.finish_reason is not None
@@ -227,6 +239,7 @@ class SGLangEngine:
             self._health = Health(False, err.message)
             raise
         finally:
+            self._abort_wanted.discard(request.request_id)
             if not finished:
                 # Closing the generator aborts the request only from 0.5.20 on; before that the
                 # scheduler ran it to max_tokens for nobody. The tokenizer manager's abort works on

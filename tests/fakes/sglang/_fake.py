@@ -11,6 +11,8 @@ how SGLang *packages* them (SGLANG_CONTRACT.md §1-§3):
   first iteration for over-long requests;
 - closing a stream: only 0.5.20+ (D) aborts the request when its generator is closed; older ones keep
   running it unless `tokenizer_manager.abort_request(rid)` is called (recorded as `ghosts`);
+- `abort_request(rid)` of a stream still being read: the next step's token comes in a final graceful-abort
+  item whose `completion_tokens` counts it (the engine generated and counted it after the last item read);
 - 0.5.10 (C) still sends output logprob lists cumulatively in incremental mode (sliced from 0.5.16 on);
 - `bos_template`: a tokenizer that adds a BOS and a chat template that writes one (Llama-3 style).
 """
@@ -314,7 +316,7 @@ class Engine:
         done = False
         try:
             async with tm.lock:
-                steps = self._steps(ids, params, logprob, top, abort)
+                steps = self._steps(ids, params, logprob, top, abort, rid)
                 pending: list[_Step] = []
                 want = next(pattern)
                 async for step in steps:
@@ -324,11 +326,12 @@ class Engine:
                         continue
                     item = self._item(pending, all_ids, ids, cached, rid, gen, incremental, logprob)
                     pending, want = [], next(pattern)
-                    if step.finish is not None:
+                    if step.finish is not None:  # booked before the last item: its reader may close us there
                         done = True
+                        graceful_abort = step.finish.get("type") == "abort" and rid in tm.abort_requested
+                        (tm.aborted if graceful_abort else tm.finished).append(rid)
                     yield item
                     if done:
-                        tm.finished.append(rid)
                         return
         finally:
             if not done:
@@ -371,7 +374,7 @@ class Engine:
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     async def _steps(self, prompt: list[int], params: dict[str, Any], logprob: bool, top: int,
-                     abort: tuple[int, str] | None) -> AsyncIterator[_Step]:
+                     abort: tuple[int, str] | None, rid: str = "") -> AsyncIterator[_Step]:
         """Real tokens from llama.cpp, packaged as SGLang's scheduler + detokenizer would."""
         model = self.tokenizer_manager.model
         llama = model.llama
@@ -424,6 +427,10 @@ class Engine:
                     finish, visible = {"type": "stop", "matched": matched}, text[:hit]
                 elif count[0] >= max_new:
                     finish = {"type": "length", "length": max_new}
+                if finish is None and rid in self.tokenizer_manager.abort_requested:
+                    # abort_request(rid) of a running request (§2.5): the scheduler finishes it at its next
+                    # step, whose token is in the final item and in completion_tokens
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                 step = _Step([token], visible, count[0], finish, [entry], [tops])
                 step.text_delta = visible[sent:]  # type: ignore[attr-defined]
                 # Stop-string hold-back: while the tail could start a stop string, the scheduler withholds output.

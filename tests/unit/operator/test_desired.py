@@ -41,7 +41,7 @@ def test_deployment_has_gpu_limits_probes_shm_and_safe_rollout() -> None:
 
 def test_runtime_args_carry_the_sglang_settings() -> None:
     args = runtime_args(parse_spec(SGLANG))
-    assert args[:7] == ["serve", "--host", "0.0.0.0", "--port", "8000", "--engine", "sglang"]
+    assert args[:7] == ["serve", "--host", "::", "--port", "8000", "--engine", "sglang"]
     pairs = dict(zip(args[1::2], args[2::2], strict=False))
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--data-parallel-size"] == "2"
     assert pairs["--model-path"] == "/models/llama" and args[-1] == "--engine-args=--stream-interval 2"

@@ -1,12 +1,15 @@
-"""Reading a runtime's /metrics text: finished requests, final readings, per-tenant counters."""
+"""Reading a runtime's /metrics text: served requests, final readings, per-tenant counters, and refusing
+what cannot be trusted (another pod, no epoch, non-finite or negative numbers, unbounded tenants)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tally_operator.samples import Counters, MetricsParseError, PodSample, parse_sample
+from tally_operator.samples import MAX_TENANTS_PER_POD, Counters, MetricsParseError, parse_sample
 
-METRICS = """# TYPE tally_requests counter
+EPOCH = "# TYPE tally_start_time_seconds gauge\ntally_start_time_seconds 1.7e9\n"
+POD = "# TYPE tally_runtime_info gauge\ntally_runtime_info{pod_uid=\"uid-1\"} 1\n"
+METRICS = EPOCH + POD + """# TYPE tally_requests counter
 tally_requests_total{endpoint="completions",outcome="ok",finish_reason="length"} 4
 tally_requests_total{endpoint="completions",outcome="invalid",finish_reason="none"} 7
 # TYPE tally_prompt_tokens counter
@@ -19,25 +22,39 @@ tally_usage_mismatches_total 0
 tally_stream_mode{mode="incremental"} 1
 tally_stream_mode{mode="cumulative"} 0
 """
+REQUESTS = ("# TYPE tally_requests counter\n"
+            "tally_requests_total{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"} 3\n")
 
 
-def sample(completion: float, mismatches: float = 0, mode: str = "incremental") -> PodSample:
-    return PodSample(Counters(requests=completion / 4, completion_tokens=completion, mismatches=mismatches), mode)
-
-
-def test_parse_sample_counts_finished_requests_only() -> None:
-    sample = parse_sample(METRICS)
+def test_parse_sample_counts_served_requests_and_keeps_all_for_the_handshake() -> None:
+    sample = parse_sample(METRICS, expected_pod_uid="uid-1")
     assert sample.counters.requests == 4 and sample.counters.completion_tokens == 64
-    assert sample.stream_mode == "incremental"
-    with pytest.raises(MetricsParseError):
-        parse_sample("garbage {{{")
-    with pytest.raises(MetricsParseError):
-        parse_sample("# TYPE other counter\nother_total 1\n")
+    assert sample.all_requests == 11 and sample.started == 1.7e9 and sample.stream_mode == "incremental"
+    assert sample.acknowledgement() == {"epoch": 1.7e9, "requests": 11, "promptTokens": 40, "completionTokens": 64,
+                                        "cachedTokens": 0}
+
+
+@pytest.mark.parametrize(("text", "expected_uid", "why"), [
+    pytest.param("garbage {{{", None, "not Prometheus text", id="garbage"),
+    pytest.param(EPOCH + "# TYPE other counter\nother_total 1\n", None, "no Tally usage", id="not-tally"),
+    pytest.param(REQUESTS, None, "epoch is unknown", id="no-epoch"),
+    pytest.param(METRICS, "uid-2", "not 'uid-2'", id="another-pod-on-a-reused-ip"),
+    pytest.param(EPOCH + REQUESTS + "# TYPE tally_completion_tokens counter\ntally_completion_tokens_total NaN\n",
+                 None, "finite", id="nan"),
+    pytest.param(EPOCH + REQUESTS + "# TYPE tally_prompt_tokens counter\ntally_prompt_tokens_total +Inf\n",
+                 None, "finite", id="infinite"),
+    pytest.param(EPOCH + REQUESTS + "# TYPE tally_prompt_tokens counter\ntally_prompt_tokens_total -5\n",
+                 None, "not negative", id="negative"),
+    pytest.param(EPOCH + REQUESTS + "# TYPE tally_tenant_prompt_tokens counter\n"
+                 "tally_tenant_prompt_tokens_total{tenant=\"a\"} -1\n", None, "not negative", id="negative-tenant"),
+])
+def test_untrusted_samples_are_refused_whole(text: str, expected_uid: str | None, why: str) -> None:
+    with pytest.raises(MetricsParseError, match=why):
+        parse_sample(text, expected_pod_uid=expected_uid)
 
 
 def test_a_draining_idle_runtime_reports_final_counters() -> None:
-    base = ("# TYPE tally_requests counter\ntally_requests_total{endpoint=\"completions\",outcome=\"ok\","
-            "finish_reason=\"length\"} 3.0\n# TYPE tally_draining gauge\ntally_draining %s\n"
+    base = (EPOCH + REQUESTS + "# TYPE tally_draining gauge\ntally_draining %s\n"
             "# TYPE tally_inflight_generations gauge\ntally_inflight_generations %s\n")
     assert parse_sample(base % ("1.0", "0.0")).final
     assert not parse_sample(base % ("1.0", "2.0")).final  # still finishing streams
@@ -45,12 +62,19 @@ def test_a_draining_idle_runtime_reports_final_counters() -> None:
 
 
 def test_tenant_counters_are_parsed_per_label() -> None:
-    text = ("# TYPE tally_requests counter\n"
-            "tally_requests_total{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"} 3\n"
-            "# TYPE tally_tenant_completion_tokens counter\n"
+    text = (EPOCH + REQUESTS + "# TYPE tally_tenant_completion_tokens counter\n"
             "tally_tenant_completion_tokens_total{tenant=\"team-a\"} 40\n"
             "tally_tenant_completion_tokens_total{tenant=\"other\"} 2\n"
             "# TYPE tally_tenant_requests counter\ntally_tenant_requests_total{tenant=\"team-a\"} 3\n")
     tenants = parse_sample(text).tenants
     assert tenants["team-a"] == Counters(requests=3, completion_tokens=40)
     assert tenants["other"].completion_tokens == 2
+
+
+def test_tenants_beyond_the_bound_are_added_into_other_and_the_sum_is_kept() -> None:
+    count = MAX_TENANTS_PER_POD + 25
+    lines = "".join(f"tally_tenant_completion_tokens_total{{tenant=\"t{i:05d}\"}} 2\n" for i in range(count))
+    sample = parse_sample(EPOCH + REQUESTS + "# TYPE tally_tenant_completion_tokens counter\n" + lines)
+    assert len(sample.tenants) == MAX_TENANTS_PER_POD + 1 and sample.tenants_capped == 25
+    assert sample.tenants["other"].completion_tokens == 50
+    assert sum(t.completion_tokens for t in sample.tenants.values()) == 2 * count

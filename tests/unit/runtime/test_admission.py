@@ -119,3 +119,70 @@ def test_a_grant_that_races_a_timeout_is_handed_back() -> None:
         assert admission.used == 0 and admission.idle
 
     asyncio.run(scenario())
+
+
+def test_a_waiter_cancelled_in_the_same_turn_as_a_release_is_never_granted() -> None:
+    """The client leaves (its task is cancelled) and a finishing request releases before that task runs
+    again: the slot goes to the next waiter, the cancelled one gets its CancelledError, nothing leaks."""
+    async def scenario() -> None:
+        admission = Admission(limit=1, max_queued=8, max_wait=30)
+        await admission.acquire(1)
+        leaving = asyncio.create_task(admission.acquire(1))
+        staying = asyncio.create_task(admission.acquire(1))
+        await settle()
+        leaving.cancel()  # same loop turn: the cancel lands first...
+        admission.release(1)  # ...then the release walks the queue, its head already cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await staying
+        assert admission.used == 1 and admission.queued == 0
+        admission.release(1)
+        assert admission.idle
+
+    asyncio.run(scenario())
+
+
+def test_a_timeout_and_a_release_in_the_same_turn_resolve_once_each() -> None:
+    async def scenario() -> None:
+        admission = Admission(limit=1, max_queued=8, max_wait=0.01)
+        await admission.acquire(1)
+        waiter = asyncio.create_task(admission.acquire(1))
+        await settle()
+        await asyncio.sleep(0.02)  # its timeout has fired (its future is cancelled); its task has not resumed
+        admission.release(1)
+        with pytest.raises(QueueFull):
+            await waiter
+        assert admission.used == 0 and admission.idle
+        await admission.acquire(1)  # the server still admits
+        assert admission.used == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_storm_of_waiters_leaving_while_slots_are_released_leaks_nothing() -> None:
+    """Hundreds of waiters, a third cancelled, a third timing out, releases in between, in every order."""
+    async def scenario() -> None:
+        admission = Admission(limit=2, max_queued=1000, max_wait=0.005)
+        admitted = 0
+
+        async def request(i: int) -> None:
+            nonlocal admitted
+            try:
+                await admission.acquire(1 + i % 2)
+            except QueueFull:
+                return
+            admitted += 1
+            await asyncio.sleep(0.001 * (i % 3))
+            admission.release(1 + i % 2)
+
+        tasks = [asyncio.create_task(request(i)) for i in range(600)]
+        for i, task in enumerate(tasks):
+            if i % 3 == 0:
+                task.cancel()
+            if i % 50 == 0:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert admitted > 0 and admission.used == 0 and admission.queued == 0 and admission.idle
+        await asyncio.wait_for(admission.acquire(2), 1)  # and it still admits
+
+    asyncio.run(scenario())

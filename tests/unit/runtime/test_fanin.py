@@ -1,28 +1,39 @@
-"""merge_choices: every choice's deltas in order, batched when the consumer lags, errors after what preceded."""
+"""Choices: every choice's deltas in order, batched when the consumer lags, errors after what preceded;
+ending early aborts in the engine and waits, bounded, for the engine's final counts."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import pytest
 
 from tally_runtime.engine.base import Delta, EngineError, FinishReason, GenerationRequest, SamplingParams
-from tally_runtime.fanin import merge_choices
+from tally_runtime.fanin import Batch, Choices
 
 
 class ScriptedEngine:
-    """Per request id: the deltas to yield, an exception to raise after them, or an early end."""
+    """Per request id: the deltas to yield, an exception to raise after them. `abort` makes a running
+    generation end at its next step with an ABORT delta counting what it generated; `deaf` ignores it."""
 
-    def __init__(self, scripts: dict[str, tuple[list[Delta], Exception | None]]) -> None:
+    def __init__(self, scripts: dict[str, tuple[list[Delta], Exception | None]], deaf: bool = False) -> None:
         self.scripts = scripts
+        self.deaf = deaf
         self.closed: list[str] = []
+        self.started: list[str] = []
+        self.aborted: set[str] = set()
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        self.started.append(request.request_id)
         deltas, error = self.scripts[request.request_id]
         try:
-            for delta in deltas:
+            for count, delta in enumerate(deltas):
+                if request.request_id in self.aborted and not self.deaf:
+                    yield Delta(token_ids=(99,), completion_tokens=count + 1, finish_reason=FinishReason.ABORT)
+                    return
                 yield delta
                 await asyncio.sleep(0)
             if error is not None:
@@ -40,7 +51,7 @@ def requests(*ids: str) -> Sequence[GenerationRequest]:
     return [GenerationRequest(i, (1,), SamplingParams(max_tokens=8)) for i in ids]
 
 
-async def drain(stream: AsyncIterator[list[tuple[int, Delta]]], lag: bool = False) -> list[list[tuple[int, Delta]]]:
+async def drain(stream: AsyncIterator[Batch], lag: bool = False) -> list[Batch]:
     batches = []
     async for batch in stream:
         batches.append(batch)
@@ -53,33 +64,55 @@ async def drain(stream: AsyncIterator[list[tuple[int, Delta]]], lag: bool = Fals
 @pytest.mark.parametrize("lag", [False, True])
 async def test_every_choice_in_order_and_a_lagging_consumer_gets_batches(lag: bool) -> None:
     engine = ScriptedEngine({"a": (tokens(20), None), "b": (tokens(13), None)})
-    batches = await drain(merge_choices(engine, requests("a", "b")), lag=lag)  # type: ignore[arg-type]
+    batches = await drain(Choices(engine, requests("a", "b")).batches(), lag=lag)  # type: ignore[arg-type]
     flat = [item for batch in batches for item in batch]
     for index, count in ((0, 20), (1, 13)):
         assert [d.text for i, d in flat if i == index] == [f"t{k}" for k in range(count)]
     assert (max(len(b) for b in batches) > 2) is lag
 
 
-async def test_an_error_ends_the_stream_after_the_deltas_before_it_and_aborts_the_rest() -> None:
+async def test_an_error_ends_the_stream_after_the_deltas_before_it() -> None:
     engine = ScriptedEngine({"a": (tokens(3, finish=False), EngineError("boom", 503)), "b": (tokens(50), None)})
+    choices = Choices(engine, requests("a", "b"))  # type: ignore[arg-type]
     seen: list[tuple[int, Delta]] = []
     with pytest.raises(EngineError, match="boom"):
-        async for batch in merge_choices(engine, requests("a", "b")):  # type: ignore[arg-type]
+        async for batch in choices.batches():
             seen.extend(batch)
     assert [d.text for i, d in seen if i == 0] == ["t0", "t1", "t2"]
     assert len([d for i, d in seen if i == 1]) < 50
-    assert sorted(engine.closed) == ["a", "b"]  # the other choice was aborted
+    await choices.cancel()
+    assert sorted(engine.closed) == ["a", "b"]
 
 
 async def test_a_generation_that_ends_without_a_finish_reason_is_an_engine_error() -> None:
     engine = ScriptedEngine({"a": (tokens(4, finish=False), None)})
     with pytest.raises(EngineError, match="without a finish reason"):
-        await drain(merge_choices(engine, requests("a")))  # type: ignore[arg-type]
+        await drain(Choices(engine, requests("a")).batches())  # type: ignore[arg-type]
 
 
-async def test_closing_early_aborts_every_choice() -> None:
-    engine = ScriptedEngine({"a": (tokens(100), None), "b": (tokens(100), None)})
-    stream: Any = merge_choices(engine, requests("a", "b"))  # type: ignore[arg-type]
-    await anext(stream)
+async def test_aborting_returns_the_engines_final_counts_of_every_unfinished_choice() -> None:
+    engine = ScriptedEngine({"a": (tokens(100), None), "b": (tokens(100), None), "done": (tokens(1), None)})
+    choices = Choices(engine, requests("a", "b", "done"))  # type: ignore[arg-type]
+    stream = choices.batches()
+    first = await anext(stream)
     await stream.aclose()
-    assert sorted(engine.closed) == ["a", "b"]
+    late = await choices.abort(settle_seconds=5)
+    finals = {i: d for i, d in [*first, *late] if d.finish_reason == FinishReason.ABORT}
+    assert sorted(finals) == [0, 1] and all(d.completion_tokens for d in finals.values())
+    assert engine.aborted == {"a", "b"}  # the finished choice was not aborted
+    assert sorted(engine.closed) == ["a", "b", "done"]
+
+
+async def test_a_choice_aborted_before_it_reached_the_engine_never_starts() -> None:
+    engine = ScriptedEngine({"a": (tokens(5), None)})
+    choices = Choices(engine, requests("a"))  # type: ignore[arg-type]
+    late = await choices.abort(settle_seconds=5)  # in the same loop turn: its task has not run yet
+    assert late == [] and engine.started == []
+
+
+async def test_an_engine_that_ignores_the_abort_is_cancelled_after_the_bound() -> None:
+    engine = ScriptedEngine({"a": (tokens(100_000), None)}, deaf=True)
+    choices = Choices(engine, requests("a"))  # type: ignore[arg-type]
+    await anext(choices.batches())
+    late = await choices.abort(settle_seconds=0.05)
+    assert all(d.finish_reason is None for _, d in late) and engine.closed == ["a"]

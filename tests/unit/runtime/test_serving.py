@@ -33,16 +33,24 @@ class Script:
     """Per choice index (the request id's middle part): deltas, then optionally an error or a stall."""
 
     def __init__(self, deltas: dict[int, list[Delta]], error: dict[int, Exception] | None = None,
-                 stall: set[int] | None = None, gate: asyncio.Event | None = None) -> None:
+                 stall: set[int] | None = None, gate: asyncio.Event | None = None, paced: bool = False) -> None:
         self.deltas = deltas
         self.error = error or {}
         self.stall = stall or set()
         self.gate = gate
+        self.paced = paced  # hand control back after every delta, as a real engine between steps
 
 
 class ScriptedEngine:
+    """Aborting a choice ends it at its next step: with an ABORT delta counting one more token than it sent
+    (as SGLang counts one past the last item read), or with no counts at all while still in prefill."""
+
     def __init__(self, script: Script) -> None:
         self.script = script
+        self.aborts: dict[int, asyncio.Event] = {}
+
+    def abort(self, request_id: str) -> None:
+        self.aborts.setdefault(int(request_id.split(".")[1]), asyncio.Event()).set()
 
     async def start(self) -> EngineInfo:
         return INFO
@@ -67,12 +75,23 @@ class ScriptedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         index = int(request.request_id.split(".")[1])
+        aborted = self.aborts.setdefault(index, asyncio.Event())
         if self.script.gate is not None:
             await self.script.gate.wait()
         if index in self.script.stall:
-            await asyncio.Event().wait()  # still in prefill, for ever
+            await aborted.wait()  # still in prefill until aborted
+            yield Delta(finish_reason=FinishReason.ABORT)
+            return
+        sent = 0
         for delta in self.script.deltas.get(index, []):
+            if aborted.is_set():
+                yield Delta(token_ids=(99,), prompt_tokens=delta.prompt_tokens, completion_tokens=sent + 1,
+                            finish_reason=FinishReason.ABORT)
+                return
             yield delta
+            sent = delta.completion_tokens or sent
+            if self.script.paced:
+                await asyncio.sleep(0)
         if index in self.script.error:
             raise self.script.error[index]
 
@@ -216,3 +235,83 @@ def test_a_draining_server_refuses_new_requests_with_retry_after() -> None:
     with pytest.raises(ApiError) as caught:
         asyncio.run(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
     assert caught.value.status == 503 and caught.value.headers["Retry-After"]
+
+
+def test_an_abort_among_other_choices_in_one_batch_skips_none_of_their_counts() -> None:
+    """Choice 0's engine aborts while choice 1 finishes; both arrive in the same batch."""
+    gate = asyncio.Event()
+    abort = Delta(token_ids=(5,), prompt_tokens=3, completion_tokens=2, finish_reason=FinishReason.ABORT)
+    srv = server(Script({0: [*tokens(1, finish=False), abort], 1: tokens(2)}, gate=gate))
+
+    async def scenario() -> list[Any]:
+        job = srv.prepare.completion(CompletionRequest(**{**STREAM, "n": 2}))
+        starting = asyncio.create_task(srv.start(job, "t"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gate.set()
+        run = await starting
+        return events([chunk async for chunk in run.stream()])
+
+    got = asyncio.run(scenario())
+    assert any(isinstance(e, dict) and "error" in e for e in got) and got[-1] == "[DONE]"
+    assert [c["choices"][0]["finish_reason"] for c in got if isinstance(c, dict) and c.get("choices")
+            and c["choices"][0]["index"] == 1][-1] == "length"  # choice 1's own chunks went out
+    assert counter(srv.metrics, "tally_completion_tokens_total") == 2 + 2  # both choices' final counts
+    assert counter(srv.metrics, "tally_usage_mismatches_total") == 0
+
+
+def test_a_client_that_leaves_mid_stream_is_billed_what_the_engine_generated() -> None:
+    srv = server(Script({0: tokens(50)}, paced=True))
+    got = asyncio.run(stream(srv, STREAM | {"max_tokens": 50}, take=3))
+    streamed = sum(1 for e in got if isinstance(e, dict) and e.get("choices"))
+    assert streamed == 3
+    assert counter(srv.metrics, "tally_requests_total", {"outcome": "aborted"}) == 1
+    billed = counter(srv.metrics, "tally_completion_tokens_total")
+    assert streamed < billed < 50  # one past what was read: the engine generated it before the abort landed
+    assert counter(srv.metrics, "tally_usage_mismatches_total") == 0
+    assert srv.admission.idle and not srv.runs and not srv.closing
+
+
+def test_a_client_that_leaves_while_queued_is_recorded_once_and_unbilled() -> None:
+    gate = asyncio.Event()
+    srv = server(Script({0: tokens(2)}, gate=gate), limit=1)
+
+    async def scenario() -> None:
+        job = srv.prepare.completion(CompletionRequest(**STREAM))
+        holder = asyncio.create_task(srv.start(job, "t"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        queued = asyncio.create_task(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert srv.admission.queued == 1
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        gate.set()
+        run = await holder
+        [chunk async for chunk in run.stream()]
+
+    asyncio.run(scenario())
+    assert counter(srv.metrics, "tally_requests_total", {"outcome": "aborted"}) == 1
+    assert counter(srv.metrics, "tally_requests_total", {"outcome": "ok"}) == 1
+    assert srv.admission.idle
+
+
+def test_a_client_that_leaves_in_prefill_is_recorded_once_by_its_run() -> None:
+    srv = server(Script({}, stall={0}))
+
+    async def scenario() -> None:
+        starting = asyncio.create_task(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        await srv.settle()
+
+    asyncio.run(scenario())
+    assert counter(srv.metrics, "tally_requests_total") == 1
+    assert counter(srv.metrics, "tally_requests_total", {"outcome": "aborted"}) == 1
+    assert counter(srv.metrics, "tally_prompt_tokens_total") == 0  # the engine never reported on it
+    assert srv.admission.idle

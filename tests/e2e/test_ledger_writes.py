@@ -1,0 +1,187 @@
+"""The ledger's compare-and-swap against the real API server: two passes on one stale body, a peer that
+pauses for another and resumes after it left, two operators racing on one resource.
+
+Each pass is the operator's own `commit` (observe, plan, write by compare-and-swap, re-read and observe
+again when refused) with its own `ServiceMemory` and /metrics, as one operator process would run it; what
+a pass observes is a pod's counters, which the test advances as clients would. The chart's operator is
+scaled to none meanwhile, so these passes are the only writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import kopf
+import pytest
+from kube_harness import ROOT, Kubectl, eventually
+from operator_harness import NAMESPACE, RELEASE
+
+from tally_operator.bookkeeping import Observed
+from tally_operator.kube import Kube
+from tally_operator.metrics import OperatorMetrics
+from tally_operator.reconcile import Context, Observe, Scraped, ServiceMemory, commit
+from tally_operator.samples import Counters, PodSample
+from tally_operator.settings import OperatorSettings
+from tally_operator.usage import Round
+
+pytestmark = pytest.mark.e2e
+
+
+class Pod:
+    """A runtime's counters as its clients move them."""
+
+    def __init__(self, tenants: tuple[str, ...] = ("alpha",)) -> None:
+        self.uid = str(uuid.uuid4())
+        self.tenants = dict.fromkeys(tenants, 0.0)
+
+    def serve(self, tokens: float, tenant: str = "alpha") -> None:
+        self.tenants[tenant] += tokens
+
+    @property
+    def completion(self) -> float:
+        return sum(self.tenants.values())
+
+    def sample(self) -> PodSample:
+        return PodSample(Counters(requests=self.completion, completion_tokens=self.completion), "incremental",
+                         started=1.0, pod_uid=self.uid,
+                         tenants={t: Counters(requests=v, completion_tokens=v) for t, v in self.tenants.items()})
+
+
+def observing(pods: list[Pod], generation: int = 1, before: Any = None) -> Observe:
+    """A pass that scrapes `pods` (after reading the status it writes over, as the operator does)."""
+    async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+        if before is not None:
+            before()
+        round_ = Round({p.uid: p.sample() for p in pods}, present=frozenset(p.uid for p in pods))
+        return Observed(generation, [], {}, round_), Scraped(round_, {}, {})
+
+    return observe
+
+
+def nothing_scraped(generation: int = 1) -> Observe:
+    async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+        return Observed(generation, [], {"endpoint": "http://x"}), None
+
+    return observe
+
+
+class Operator:
+    """One operator process: its settings, API client, /metrics and memory of the service."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.ctx = Context(OperatorSettings(), Kube(), OperatorMetrics(),
+                           post_event=lambda _b, kind, reason, _m: self.events.append((kind, reason)))
+        self.memory = ServiceMemory()
+
+    async def pass_on(self, body: dict[str, Any], observe: Observe) -> None:
+        await commit(self.ctx, kopf.Body(copy.deepcopy(body)), self.memory, copy.deepcopy(body), observe)
+
+    def booked(self, field: str, tenant: str | None = None) -> float:
+        name = f"tally_service_tenant_{field}_total" if tenant else f"tally_service_{field}_total"
+        total = 0.0
+        for family in self.ctx.metrics.registry.collect():
+            for sample in family.samples:
+                if sample.name == name and (tenant is None or sample.labels.get("tenant") == tenant):
+                    total += sample.value
+        return total
+
+
+@pytest.fixture
+def writers(kubectl: Kubectl, kube_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The chart's operator scaled to none (if installed), the CRD present, the client pointed at the cluster."""
+    kubectl("apply", "--server-side", "--force-conflicts", "-f",
+            str(ROOT / "crds" / "serving.tally.dev_completionservices.yaml"))
+    system = kubectl.in_namespace(NAMESPACE)
+    replicas = system("get", "deployment", RELEASE, "-o", "jsonpath={.spec.replicas}", check=False).strip()
+    if replicas:
+        system("scale", "deployment", RELEASE, "--replicas=0")
+        eventually(lambda: not system("get", "pods", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name"),
+                   120, what="the chart's operator stopped")
+    monkeypatch.setenv("KUBECONFIG", kube_env["KUBECONFIG"])
+    yield
+    if replicas:
+        system("scale", "deployment", RELEASE, f"--replicas={replicas}")
+        system("rollout", "status", f"deployment/{RELEASE}", "--timeout=180s")
+
+
+def create(kube: Kubectl) -> dict[str, Any]:
+    kube.apply({"apiVersion": "serving.tally.dev/v1alpha1", "kind": "CompletionService",
+                "metadata": {"name": "books"}, "spec": {"model": {"name": "m"}, "engine": {"kind": "cpu"},
+                                                       "replicas": 0}})
+    return dict(kube.json("get", "completionservice", "books"))
+
+
+def usage(kube: Kubectl) -> dict[str, Any]:
+    return dict((kube.json("get", "completionservice", "books").get("status") or {}).get("usage") or {})
+
+
+def test_two_passes_on_one_stale_body_never_regress_the_ledger(writers: None, kube: Kubectl) -> None:
+    stale = create(kube)
+    operator, pod = Operator(), Pod()
+    pod.serve(100)
+    asyncio.run(operator.pass_on(stale, observing([pod])))
+    assert usage(kube)["completionTokens"] == 100
+    # the status timer and an event handler both run on the body from before that write
+    asyncio.run(operator.pass_on(stale, nothing_scraped()))
+    assert usage(kube)["completionTokens"] == 100 and usage(kube)["sequence"] == 1
+    pod.serve(50)
+    asyncio.run(operator.pass_on(stale, observing([pod])))
+    assert (usage(kube)["completionTokens"], usage(kube)["sequence"]) == (150, 2)
+    assert operator.booked("completion_tokens") == 150
+
+
+def test_a_peer_that_pauses_and_resumes_continues_from_the_newest_ledger(writers: None, kube: Kubectl) -> None:
+    """Operator A books, pauses while B (higher priority) serves; a pod is replaced meanwhile; B leaves and A
+    resumes with its old body and memory. Nothing is lost, nothing counted twice, nothing goes backwards."""
+    body = create(kube)
+    a, b = Operator(), Operator()
+    first = Pod()
+    first.serve(10)
+    asyncio.run(a.pass_on(body, observing([first])))
+    a_body = dict(kube.json("get", "completionservice", "books"))  # what A last saw before it paused
+    seen = [usage(kube)]
+
+    first.serve(240)  # A pauses; B takes over and books
+    asyncio.run(b.pass_on(dict(kube.json("get", "completionservice", "books")), observing([first])))
+    seen.append(usage(kube))
+    second = Pod()  # the pod is replaced while A is paused: B books the new one and the old one's end
+    second.serve(8)
+    asyncio.run(b.pass_on(dict(kube.json("get", "completionservice", "books")), observing([second])))
+    seen.append(usage(kube))
+
+    second.serve(10)  # B is gone; A resumes on what it remembers
+    asyncio.run(a.pass_on(a_body, observing([second])))
+    seen.append(usage(kube))
+    truth = first.completion + second.completion
+    assert seen[-1]["completionTokens"] == truth == 268
+    totals = [u["completionTokens"] for u in seen]
+    assert totals == sorted(totals) and [u["sequence"] for u in seen] == [1, 2, 3, 4]
+    assert a.booked("completion_tokens") + b.booked("completion_tokens") == truth  # each booked its own part
+    assert a.booked("completion_tokens", tenant="alpha") + b.booked("completion_tokens", tenant="alpha") <= truth
+    assert a.booked("completion_tokens", tenant="alpha") == 10  # A re-baselined: B's period is not added again
+
+
+def test_two_operators_racing_on_one_resource_book_every_token_once(writers: None, kube: Kubectl) -> None:
+    body = create(kube)
+    a, b = Operator(), Operator()
+    pod = Pod()
+
+    def traffic() -> None:  # clients keep going while the passes scrape
+        pod.serve(7)
+
+    async def race() -> None:
+        for _ in range(6):
+            await asyncio.gather(a.pass_on(body, observing([pod], before=traffic)),
+                                 b.pass_on(body, observing([pod], before=traffic)))
+
+    asyncio.run(race())
+    final = usage(kube)
+    reading = next(p for p in final["pods"] if p["uid"] == pod.uid)
+    assert final["completionTokens"] == reading["completionTokens"] <= pod.completion
+    assert final["podsUnaccounted"] == 0 and final["sequence"] == 12
+    assert a.booked("completion_tokens") + b.booked("completion_tokens") == final["completionTokens"]
