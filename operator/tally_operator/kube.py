@@ -60,12 +60,17 @@ def _message(error: ApiException) -> str:
 
 
 class Kube:
-    def __init__(self) -> None:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.api = client.ApiClient()
+    def __init__(self, kubeconfig: str | None = None) -> None:
+        """In a pod, its ServiceAccount; elsewhere `kubeconfig`, or the default one ($KUBECONFIG)."""
+        configuration = client.Configuration()
+        if kubeconfig is not None:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            try:
+                config.load_incluster_config(client_configuration=configuration)
+            except config.ConfigException:
+                config.load_kube_config(client_configuration=configuration)
+        self.api = client.ApiClient(configuration)
         self.dynamic = DynamicClient(self.api)
 
     def _resource(self, api_version: str, kind: str) -> Any:

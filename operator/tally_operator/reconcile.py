@@ -154,7 +154,7 @@ def read_children(ctx: Context, meta: Mapping[str, str]) -> tuple[dict[str, Any]
 async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[str, Any]],
                        obj: Mapping[str, Any]) -> Scraped:
     """Read every pod the ledger counts or should count; each pod's failure is that pod's alone."""
-    readings = ledger_from_status(obj["status"].get("usage") or {}).readings
+    readings = ledger_from_status((obj.get("status") or {}).get("usage") or {}).readings
     targets = scrape_targets(pods, readings, c.RUNTIME_PORT)
     results = await scrape(targets, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
     samples: dict[str, PodSample] = {}
@@ -182,7 +182,7 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
     meta = obj["metadata"]
     for _ in range(MAX_WRITES):
         observed, scraped = await observe(obj)
-        planned = plan(obj["status"], memory.observations, observed, now())
+        planned = plan(obj.get("status") or {}, memory.observations, observed, now())
         if not planned.changed:
             memory.observations = planned.observations
             return
@@ -196,7 +196,6 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
             if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
                 return  # deleted (or deleted and created again) meanwhile: nothing of ours to write
             obj, meta = fresh, fresh["metadata"]
-            obj.setdefault("status", {})
             continue
         await landed(ctx, body, memory, planned, scraped)
         return

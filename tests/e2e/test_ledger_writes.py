@@ -72,9 +72,9 @@ def nothing_scraped(generation: int = 1) -> Observe:
 class Operator:
     """One operator process: its settings, API client, /metrics and memory of the service."""
 
-    def __init__(self) -> None:
+    def __init__(self, kubeconfig: str) -> None:
         self.events: list[tuple[str, str]] = []
-        self.ctx = Context(OperatorSettings(), Kube(), OperatorMetrics(),
+        self.ctx = Context(OperatorSettings(), Kube(kubeconfig), OperatorMetrics(),
                            post_event=lambda _b, kind, reason, _m: self.events.append((kind, reason)))
         self.memory = ServiceMemory()
 
@@ -92,8 +92,8 @@ class Operator:
 
 
 @pytest.fixture
-def writers(kubectl: Kubectl, kube_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The chart's operator scaled to none (if installed), the CRD present, the client pointed at the cluster."""
+def writers(kubectl: Kubectl, kube_env: dict[str, str]) -> Iterator[str]:
+    """The chart's operator scaled to none (if installed) and the CRD present; yields the kubeconfig."""
     kubectl("apply", "--server-side", "--force-conflicts", "-f",
             str(ROOT / "crds" / "serving.tally.dev_completionservices.yaml"))
     system = kubectl.in_namespace(NAMESPACE)
@@ -102,8 +102,7 @@ def writers(kubectl: Kubectl, kube_env: dict[str, str], monkeypatch: pytest.Monk
         system("scale", "deployment", RELEASE, "--replicas=0")
         eventually(lambda: not system("get", "pods", "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name"),
                    120, what="the chart's operator stopped")
-    monkeypatch.setenv("KUBECONFIG", kube_env["KUBECONFIG"])
-    yield
+    yield kube_env["KUBECONFIG"]
     if replicas:
         system("scale", "deployment", RELEASE, f"--replicas={replicas}")
         system("rollout", "status", f"deployment/{RELEASE}", "--timeout=180s")
@@ -120,9 +119,9 @@ def usage(kube: Kubectl) -> dict[str, Any]:
     return dict((kube.json("get", "completionservice", "books").get("status") or {}).get("usage") or {})
 
 
-def test_two_passes_on_one_stale_body_never_regress_the_ledger(writers: None, kube: Kubectl) -> None:
+def test_two_passes_on_one_stale_body_never_regress_the_ledger(writers: str, kube: Kubectl) -> None:
     stale = create(kube)
-    operator, pod = Operator(), Pod()
+    operator, pod = Operator(writers), Pod()
     pod.serve(100)
     asyncio.run(operator.pass_on(stale, observing([pod])))
     assert usage(kube)["completionTokens"] == 100
@@ -135,11 +134,11 @@ def test_two_passes_on_one_stale_body_never_regress_the_ledger(writers: None, ku
     assert operator.booked("completion_tokens") == 150
 
 
-def test_a_peer_that_pauses_and_resumes_continues_from_the_newest_ledger(writers: None, kube: Kubectl) -> None:
+def test_a_peer_that_pauses_and_resumes_continues_from_the_newest_ledger(writers: str, kube: Kubectl) -> None:
     """Operator A books, pauses while B (higher priority) serves; a pod is replaced meanwhile; B leaves and A
     resumes with its old body and memory. Nothing is lost, nothing counted twice, nothing goes backwards."""
     body = create(kube)
-    a, b = Operator(), Operator()
+    a, b = Operator(writers), Operator(writers)
     first = Pod()
     first.serve(10)
     asyncio.run(a.pass_on(body, observing([first])))
@@ -166,9 +165,9 @@ def test_a_peer_that_pauses_and_resumes_continues_from_the_newest_ledger(writers
     assert a.booked("completion_tokens", tenant="alpha") == 10  # A re-baselined: B's period is not added again
 
 
-def test_two_operators_racing_on_one_resource_book_every_token_once(writers: None, kube: Kubectl) -> None:
+def test_two_operators_racing_on_one_resource_book_every_token_once(writers: str, kube: Kubectl) -> None:
     body = create(kube)
-    a, b = Operator(), Operator()
+    a, b = Operator(writers), Operator(writers)
     pod = Pod()
 
     def traffic() -> None:  # clients keep going while the passes scrape

@@ -53,6 +53,10 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
+# which pods a service owns: those of its Deployment's ReplicaSets
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [list]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch]
