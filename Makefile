@@ -59,9 +59,10 @@ bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/READM
 up: bins images  ## the local cluster alone
 	hack/cluster.sh up
 
-down:  ## stop everything `make run` or `make up` started (and the test suite's cluster, if one was left up)
+down:  ## stop everything `make run` or `make up` started (and the test suite's cluster), then check nothing is left
 	hack/demo.sh down
 	TALLY_CLUSTER_DIR=.tally/test-cluster hack/cluster.sh down
+	hack/leftovers.sh
 
 env:
 	hack/cluster.sh env

@@ -5,7 +5,8 @@
 #   hack/build.sh --print    print the bin directory without building
 #
 # Each component lands in ~/.cache/tally/bin/<component>-<version>-<key>/, where
-# <key> hashes the Go version, the committed go.sum and this script. A cached
+# <key> hashes the Go version, the committed go.sum and the component's own build
+# function (so a change to one recipe rebuilds that component only). A cached
 # directory is reused only when its binaries report the expected version.
 # Concurrent builds are serialised with flock. Nothing here is required to be
 # cached already: a cold run builds everything (about 30 minutes on 2 cores).
@@ -17,6 +18,7 @@ ETCD_VERSION=v3.6.14
 KWOK_VERSION=v0.8.0
 HELM_VERSION=v4.3.2
 CONTAINERD_VERSION=v2.4.2
+COREDNS_VERSION=v1.14.7
 
 CACHE=${TALLY_CACHE:-$HOME/.cache/tally}
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-modcacherw
@@ -24,20 +26,15 @@ export GOMODCACHE=$CACHE/gomod GOCACHE=$CACHE/gobuild
 BIN=$CACHE/bin
 mkdir -p "$BIN"
 
-GOV=$(go env GOVERSION)
-key() { # key <component> <files...>
-  local c=$1; shift
-  cat "$@" "$HACK/build.sh" | { cat; echo "$GOV"; } | sha256sum | cut -c1-12
-}
-
-K8S_DIR=$BIN/kube-$K8S_VERSION-$(key kube "$HACK/kube/go.sum")
-ETCD_DIR=$BIN/etcd-$ETCD_VERSION-$(key etcd "$HACK/etcd/go.sum")
-KWOK_DIR=$BIN/kwok-$KWOK_VERSION-$(key kwok /dev/null)
-HELM_DIR=$BIN/helm-$HELM_VERSION-$(key helm /dev/null)
-CTRD_DIR=$BIN/containerd-$CONTAINERD_VERSION-$(key containerd /dev/null)
 LINK=$BIN/current
-
 if [[ ${1:-} == --print ]]; then echo "$LINK"; exit 0; fi
+
+GOV=$(go env GOVERSION)
+key() { # key <component> <files...>: the files, the component's build function(s) and the Go version
+  local c=$1; shift
+  { cat "$@"; declare -f "build_$c"; [[ $c != kube ]] || declare -f kube_ldflags; echo "$GOV"; } \
+    | sha256sum | cut -c1-12
+}
 
 log() { echo "[build] $*" >&2; }
 
@@ -105,6 +102,17 @@ build_containerd() { # the real node's container runtime (runc and CNI plugins c
   done
 }
 
+build_coredns() { # the cluster's DNS (hack/node.sh runs it on the node)
+  GOBIN=$OUT go install -trimpath -ldflags "-s -w" "github.com/coredns/coredns@$COREDNS_VERSION"
+}
+
+K8S_DIR=$BIN/kube-$K8S_VERSION-$(key kube "$HACK/kube/go.sum")
+ETCD_DIR=$BIN/etcd-$ETCD_VERSION-$(key etcd "$HACK/etcd/go.sum")
+KWOK_DIR=$BIN/kwok-$KWOK_VERSION-$(key kwok)
+HELM_DIR=$BIN/helm-$HELM_VERSION-$(key helm)
+CTRD_DIR=$BIN/containerd-$CONTAINERD_VERSION-$(key containerd)
+DNS_DIR=$BIN/coredns-$COREDNS_VERSION-$(key coredns)
+
 exec 9>"$CACHE/.build.lock"
 flock 9
 
@@ -113,16 +121,17 @@ fresh "$K8S_DIR" kube-apiserver "$K8S_VERSION" || build_into "$K8S_DIR" build_ku
 fresh "$KWOK_DIR" kwok "${KWOK_VERSION#v}" || build_into "$KWOK_DIR" build_kwok
 fresh "$HELM_DIR" helm "$HELM_VERSION" version || build_into "$HELM_DIR" build_helm
 fresh "$CTRD_DIR" containerd "$CONTAINERD_VERSION" || build_into "$CTRD_DIR" build_containerd
+fresh "$DNS_DIR" coredns "${COREDNS_VERSION#v}" -version || build_into "$DNS_DIR" build_coredns
 
 # One directory of symlinks so callers need a single PATH entry.
 tmp=$(mktemp -d "$BIN/.tmp.XXXXXX")
-for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR" "$CTRD_DIR"; do
+for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR" "$CTRD_DIR" "$DNS_DIR"; do
   for f in "$d"/*; do ln -s "$f" "$tmp/$(basename "$f")"; done
 done
 rm -rf "$LINK"; mv -T "$tmp" "$LINK"
 
 # Keep only the newest two builds per component.
-for c in kube etcd kwok helm containerd; do
+for c in kube etcd kwok helm containerd coredns; do
   ls -dt "$BIN/$c"-* 2>/dev/null | tail -n +3 | xargs -r rm -rf
 done
 echo "$LINK"

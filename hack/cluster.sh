@@ -7,6 +7,7 @@
 #   hack/cluster.sh down   stop every process and delete the cluster's state
 #   hack/cluster.sh env    print `export KUBECONFIG=... TALLY_PROXY=...` for this cluster
 #   hack/cluster.sh status exit 0 when the cluster is up and ready
+#   hack/cluster.sh netns  print the name of the cluster's network namespace
 #
 # The cluster lives in a network namespace of its own (tally-<hash of its directory>): a bridge with the
 # node's address, a bridge for pods and a Service range, all in the benchmarking range 198.18.0.0/15 and with
@@ -19,7 +20,9 @@ set -euo pipefail
 
 HACK=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HACK")
-DIR=${TALLY_CLUSTER_DIR:-$ROOT/.tally/cluster}
+# Resolved first: the namespace's name hashes it, so `make down` (a relative path) and the test harness
+# (an absolute one) must name the same cluster the same way.
+DIR=$(realpath -m "${TALLY_CLUSTER_DIR:-$ROOT/.tally/cluster}")
 PKI=$DIR/pki
 LOGS=$DIR/logs
 RUN=$DIR/run
@@ -45,10 +48,11 @@ NODE_NAME=tally-node
 POD_CIDR=198.18.1.0/24
 POD_GW=198.18.1.1
 SERVICE_CIDR=198.19.0.0/24
+DNS_IP=198.19.0.10  # the kube-dns Service: CoreDNS on the node's address behind it
 NS_API_PORT=6443
 IMAGES=${TALLY_IMAGES_DIR:-${TALLY_CACHE:-$HOME/.cache/tally}/images/current}
 NODE_GPUS=${TALLY_NODE_GPUS:-4}
-export DIR NETNS NODE_IP NODE_NAME POD_CIDR POD_GW PKI LOGS RUN IMAGES NODE_GPUS
+export DIR NETNS NODE_IP NODE_NAME POD_CIDR POD_GW PKI LOGS RUN IMAGES NODE_GPUS DNS_IP
 
 log() { echo "[cluster] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -79,16 +83,25 @@ api_ready() {
     "https://127.0.0.1:$API_PORT/readyz" | grep -qx ok
 }
 
-# start <name> <command...>: a background process in its own session, with a pid file and a log
+# start <name> <command...>: a background process in its own session (its own process group), with a
+# pid file that records who it is (lib.sh) and a log
 start() {
   local name=$1; shift
   setsid "$@" >"$LOGS/$name.log" 2>&1 < /dev/null &
-  echo $! > "$RUN/$name.pid"
+  record_pid "$RUN/$name.pid" $!
 }
 
-alive() { [[ -f $RUN/$1.pid ]] && kill -0 "$(cat "$RUN/$1.pid")" 2>/dev/null; }
+alive() { live_pid "$RUN/$1.pid" >/dev/null; }
 
-start_proxy() { alive pod-relay || start pod-relay python3 "$HACK/netns_relay.py" --netns "$NETNS" --listen "127.0.0.1:$PROXY_PORT" --socks; }
+# The SOCKS relay admits only who can read its secret (the user who started the cluster: the directory is
+# 0700) and reaches only pods, Services and the API server, never the namespace's loopback (etcd, the
+# control plane's own ports) or a name.
+start_proxy() {
+  [[ -s $DIR/proxy.secret ]] || (umask 077 && openssl rand -hex 24 > "$DIR/proxy.secret")
+  alive pod-relay || start pod-relay python3 "$HACK/netns_relay.py" --netns "$NETNS" \
+    --listen "127.0.0.1:$PROXY_PORT" --socks --secret-file "$DIR/proxy.secret" \
+    --allow "$POD_CIDR" --allow "$SERVICE_CIDR" --allow "$NODE_IP/32:$NS_API_PORT"
+}
 
 make_pki() {
   [[ -f $PKI/admin.crt ]] && return
@@ -103,10 +116,34 @@ make_pki() {
   openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out admin.crt -extfile client.ext 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -keyout node.key -out node.csr -subj "/O=system:nodes/CN=system:node:$NODE_NAME" 2>/dev/null
   openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out node.crt -extfile client.ext 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout coredns.key -out coredns.csr -subj "/CN=tally:coredns" 2>/dev/null
+  openssl x509 -req -in coredns.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -out coredns.crt -extfile client.ext 2>/dev/null
   openssl genrsa -out sa.key 2048 2>/dev/null
   openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
   rm -f ./*.csr
   cd - >/dev/null
+}
+
+# etcd has a CA of its own: only a certificate it signed (the API server's) is an etcd client, so none of the
+# cluster's own client certificates, and nothing without one, can read or write etcd.
+make_etcd_pki() {
+  [[ -f $PKI/etcd-client.crt ]] && return
+  mkdir -p "$PKI"; cd "$PKI"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout etcd-ca.key -out etcd-ca.crt -days 3650 -subj "/CN=tally-etcd-ca" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout etcd-server.key -out etcd-server.csr -subj "/CN=etcd" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n' > etcd-server.ext
+  openssl x509 -req -in etcd-server.csr -CA etcd-ca.crt -CAkey etcd-ca.key -CAcreateserial -days 3650 \
+    -out etcd-server.crt -extfile etcd-server.ext 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout etcd-client.key -out etcd-client.csr -subj "/CN=kube-apiserver" 2>/dev/null
+  openssl x509 -req -in etcd-client.csr -CA etcd-ca.crt -CAkey etcd-ca.key -CAcreateserial -days 3650 \
+    -out etcd-client.crt -extfile client.ext 2>/dev/null
+  rm -f ./*.csr
+  cd - >/dev/null
+}
+
+etcd_ready() {
+  in_net curl -sf --cacert "$PKI/etcd-ca.crt" --cert "$PKI/etcd-client.crt" --key "$PKI/etcd-client.key" \
+    "https://127.0.0.1:$ETCD_PORT/health"
 }
 
 kubeconfig() { # kubeconfig <server> <user>: admin (this machine and the control plane) or node (the kubelet)
@@ -130,6 +167,69 @@ write_kubeconfigs() {
   kubeconfig "https://127.0.0.1:$API_PORT" admin > "$KUBECONFIG_FILE"  # through the relay
   kubeconfig "https://$NODE_IP:$NS_API_PORT" admin > "$DIR/cluster.kubeconfig"
   kubeconfig "https://$NODE_IP:$NS_API_PORT" node > "$DIR/node.kubeconfig"
+  kubeconfig "https://$NODE_IP:$NS_API_PORT" coredns > "$DIR/coredns.kubeconfig"
+}
+
+# Cluster DNS: CoreDNS answers for cluster.local from the API (as user tally:coredns, read-only) and
+# NXDOMAIN for everything else: it has no upstream, nothing leaves the machine.
+corefile() {
+  cat <<EOF
+cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {
+    bind $NODE_IP
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $DIR/coredns.kubeconfig tally-local
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }
+    ready 127.0.0.1:8181
+    errors
+    cache 30
+}
+.:53 {
+    bind $NODE_IP
+    template ANY ANY {
+        rcode NXDOMAIN
+    }
+}
+EOF
+}
+
+dns_objects() {
+  cat <<EOF
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "tally:coredns"}
+rules:
+- {apiGroups: [""], resources: [services, pods, namespaces], verbs: [list, watch]}
+- {apiGroups: [discovery.k8s.io], resources: [endpointslices], verbs: [list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "tally:coredns"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "tally:coredns"}
+subjects: [{apiGroup: rbac.authorization.k8s.io, kind: User, name: "tally:coredns"}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: kube-dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
+spec:
+  clusterIP: $DNS_IP
+  ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: kube-dns-node, namespace: kube-system, labels: {kubernetes.io/service-name: kube-dns}}
+addressType: IPv4
+endpoints: [{addresses: ["$NODE_IP"], conditions: {ready: true}}]
+ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]
+EOF
+}
+
+start_dns() {
+  dns_objects | kubectl apply -f - >/dev/null
+  corefile > "$DIR/Corefile"
+  alive coredns || start coredns "${IN_NET[@]}" coredns -conf "$DIR/Corefile"
+  wait_for 30 coredns in_net curl -sf http://127.0.0.1:8181/ready
 }
 
 gpu_node() { # gpu_node <index>
@@ -164,6 +264,8 @@ EOF
 
 up() {
   mkdir -p "$DIR" "$LOGS" "$RUN"
+  chmod 0700 "$DIR"  # its PKI, etcd's data and the relay's secret are for the user who started it
+  touch "$DIR/.tally-cluster"  # `down` deletes only a directory that says it is a cluster's
   if alive kube-apiserver && api_ready; then
     if [[ $REAL_NODE != 0 && -d $DIR/node ]]; then bins; "$HACK/node.sh" import; fi  # images may be newer
     start_proxy
@@ -172,22 +274,27 @@ up() {
   down_processes
   bins
   make_pki
+  make_etcd_pki
   write_kubeconfigs
   net_up
   local t0=$SECONDS
   start etcd "${IN_NET[@]}" etcd --name=node0 --data-dir="$DIR/etcd" --unsafe-no-fsync=true \
-    --listen-client-urls="http://127.0.0.1:$ETCD_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
-    --listen-peer-urls="http://127.0.0.1:$((ETCD_PORT + 1))" \
-    --initial-advertise-peer-urls="http://127.0.0.1:$((ETCD_PORT + 1))" \
-    --initial-cluster="node0=http://127.0.0.1:$((ETCD_PORT + 1))" \
-    --listen-metrics-urls="http://127.0.0.1:$((ETCD_PORT + 2))" --log-level=warn
-  wait_for 30 etcd in_net curl -sf "http://127.0.0.1:$ETCD_PORT/health"
-  start kube-apiserver "${IN_NET[@]}" kube-apiserver --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --listen-client-urls="https://127.0.0.1:$ETCD_PORT" --advertise-client-urls="https://127.0.0.1:$ETCD_PORT" \
+    --cert-file="$PKI/etcd-server.crt" --key-file="$PKI/etcd-server.key" --client-cert-auth \
+    --trusted-ca-file="$PKI/etcd-ca.crt" \
+    --listen-peer-urls="https://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-advertise-peer-urls="https://127.0.0.1:$((ETCD_PORT + 1))" \
+    --initial-cluster="node0=https://127.0.0.1:$((ETCD_PORT + 1))" \
+    --peer-cert-file="$PKI/etcd-server.crt" --peer-key-file="$PKI/etcd-server.key" --peer-client-cert-auth \
+    --peer-trusted-ca-file="$PKI/etcd-ca.crt" --log-level=warn
+  wait_for 30 etcd etcd_ready
+  start kube-apiserver "${IN_NET[@]}" kube-apiserver --etcd-servers="https://127.0.0.1:$ETCD_PORT" \
+    --etcd-cafile="$PKI/etcd-ca.crt" --etcd-certfile="$PKI/etcd-client.crt" --etcd-keyfile="$PKI/etcd-client.key" \
     --bind-address="$NODE_IP" --advertise-address="$NODE_IP" --secure-port="$NS_API_PORT" \
     --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" --client-ca-file="$PKI/ca.crt" \
     --service-account-issuer=https://kubernetes.default.svc.cluster.local \
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
-    --service-cluster-ip-range="$SERVICE_CIDR" --authorization-mode=Node,RBAC --allow-privileged=true \
+    --service-cluster-ip-range="$SERVICE_CIDR" --authorization-mode=Node,RBAC --allow-privileged=false \
     --kubelet-client-certificate="$PKI/admin.crt" --kubelet-client-key="$PKI/admin.key" \
     --kubelet-preferred-address-types=InternalIP \
     --cert-dir="$DIR/apiserver-certs" --profiling=false
@@ -218,6 +325,7 @@ up() {
   done
   wait_for 60 "GPU nodes Ready" kubectl wait --for=condition=Ready node --all --timeout=5s
   wait_for 60 "default ServiceAccount" kubectl get serviceaccount default -n default
+  start_dns
   [[ $REAL_NODE == 0 ]] || "$HACK/node.sh" up
   log "up in $((SECONDS - t0))s; $(env_line)"
 }
@@ -225,30 +333,46 @@ up() {
 down_processes() {
   local name pid
   [[ ! -d $DIR/node ]] || "$HACK/node.sh" down
-  for name in kwok kube-scheduler kube-controller-manager pod-relay api-relay kube-apiserver etcd; do
+  for name in coredns kwok kube-scheduler kube-controller-manager pod-relay api-relay kube-apiserver etcd; do
     [[ -f $RUN/$name.pid ]] || continue
-    pid=$(cat "$RUN/$name.pid")
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-    local deadline=$((SECONDS + 20))
-    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
+    if ! pid=$(live_pid "$RUN/$name.pid"); then
+      log "$name: its recorded process is gone (the PID may now be another's): nothing signalled"
+      rm -f "$RUN/$name.pid"; continue
+    fi
+    stop_group "$pid" 20
     rm -f "$RUN/$name.pid"
   done
+}
+
+stop_group() { # stop_group <pid> <seconds>: TERM its process group (it leads one: started by setsid), then KILL
+  local pid=$1 deadline=$((SECONDS + $2)) group
+  group=$(ps -o pgid= -p "$pid" | tr -d ' ')
+  [[ $group == "$pid" ]] || group=""  # not a group leader after all: signal the process alone
+  kill -TERM -- "${group:+-}$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+  kill -KILL -- "${group:+-}$pid" 2>/dev/null || true
 }
 
 down() {
   down_processes
   ! ip netns list | grep -qw "$NETNS" || ip netns delete "$NETNS"
-  rm -rf "$DIR"
+  if [[ -f $DIR/.tally-cluster ]]; then
+    rm -rf "$DIR"
+  elif [[ -e $DIR ]]; then
+    log "not deleting $DIR: it is not a cluster's directory (no .tally-cluster marker)"
+  fi
   log "down"
 }
 
-env_line() { echo "export KUBECONFIG=$KUBECONFIG_FILE TALLY_PROXY=socks5://127.0.0.1:$PROXY_PORT"; }
+env_line() {
+  echo "export KUBECONFIG=$KUBECONFIG_FILE TALLY_PROXY=socks5://tally:$(cat "$DIR/proxy.secret" 2>/dev/null)@127.0.0.1:$PROXY_PORT"
+}
 
 case ${1:-} in
   up) up ;;
   down) down ;;
   env) env_line ;;
+  netns) echo "$NETNS" ;;
   status) alive kube-apiserver && api_ready ;;
-  *) echo "usage: $0 up|down|env|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|env|status|netns" >&2; exit 2 ;;
 esac

@@ -10,7 +10,7 @@ set -euo pipefail
 
 HACK=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HACK")
-DIR=${TALLY_CLUSTER_DIR:-$ROOT/.tally/cluster}
+DIR=$(realpath -m "${TALLY_CLUSTER_DIR:-$ROOT/.tally/cluster}")
 NS=demo
 RELEASE=tally-operator
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n 1)
@@ -53,11 +53,13 @@ up() {
   echo "$images" > "$DIR/images"
   log "waiting for the CompletionService to be Ready and UsageHealthy"
   wait_until 300 "smollm Ready and UsageHealthy" ready_and_healthy
-  local ip; ip=$(kubectl get service smollm -n "$NS" -o jsonpath='{.spec.clusterIP}')
-  log "streaming a completion through the Service ($ip) from a pod"
+  local endpoint ip
+  endpoint=$(kubectl get completionservice smollm -n "$NS" -o jsonpath='{.status.endpoint}')
+  ip=$(kubectl get service smollm -n "$NS" -o jsonpath='{.spec.clusterIP}')
+  log "streaming a completion from a pod through the Service, by the name the status gives: $endpoint"
   kubectl delete job demo-client -n "$NS" --ignore-not-found >/dev/null
   kubectl create job demo-client -n "$NS" --image="tally-client:$VERSION" -- \
-    tally-demo-client "http://$ip:8000/v1" >/dev/null
+    tally-demo-client "$endpoint" >/dev/null
   wait_until 120 "the demo client Job" kubectl wait --for=condition=Complete job/demo-client -n "$NS" --timeout=5s
   kubectl logs -n "$NS" job/demo-client
   kubectl get pods -n tally-system -o wide

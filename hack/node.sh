@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The cluster's real node: containerd, kubelet and kube-proxy in the cluster's own network namespace,
 # sharing one private mount namespace. Started and stopped by hack/cluster.sh, which exports:
-#   DIR NETNS NODE_IP NODE_NAME POD_CIDR POD_GW BIN PKI LOGS RUN IMAGES NODE_GPUS
+#   DIR NETNS NODE_IP NODE_NAME POD_CIDR POD_GW BIN PKI LOGS RUN IMAGES NODE_GPUS DNS_IP
 #
 #   hack/node.sh up       start the node and import the images built by hack/images.sh
 #   hack/node.sh import   import those images again (after a rebuild) into the running node
@@ -23,13 +23,14 @@ die() { log "ERROR: $*"; exit 1; }
 # shellcheck source=lib.sh
 source "$(dirname "$0")/lib.sh"
 
-holder() { cat "$HOLDER_PID" 2>/dev/null; }
+holder() { live_pid "$HOLDER_PID"; }  # the process holding the node's mount namespace, if it still runs
 in_node() { nsenter -t "$(holder)" -m -n -- "$@"; }  # the node's mount and network namespaces
 
 start() { # start <name> <command...>: a process inside the node's namespaces
-  local name=$1; shift
-  setsid nsenter -t "$(holder)" -m -n -- env PATH="$BIN:$PATH" "$@" >"$LOGS/$name.log" 2>&1 < /dev/null &
-  echo $! > "$RUN/$name.pid"
+  local name=$1 holder; shift
+  holder=$(holder) || die "the node's namespace holder is not running"
+  setsid nsenter -t "$holder" -m -n -- env PATH="$BIN:$PATH" "$@" >"$LOGS/$name.log" 2>&1 < /dev/null &
+  record_pid "$RUN/$name.pid" $!
 }
 
 cgroup_dirs() { # the node's cgroup in every v1 hierarchy (or the unified one)
@@ -137,6 +138,8 @@ protectKernelDefaults: true
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%}
+# Volumes are measured every 5 s (not every minute), so an emptyDir past its sizeLimit is evicted promptly.
+volumeStatsAggPeriod: 5s
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
@@ -144,6 +147,7 @@ authentication:
 authorization: {mode: Webhook}
 resolvConf: ""
 clusterDomain: cluster.local
+clusterDNS: [$DNS_IP]
 maxPods: 32
 EOF
   cat > "$NODE/kube-proxy.yaml" <<EOF
@@ -180,8 +184,10 @@ up() {
   rm -f "$NODE/holder.ready"
   setsid nsenter --net="/run/netns/$NETNS" unshare --mount --propagation private -- \
     bash -c "$(holder_script)" >"$LOGS/node-holder.log" 2>&1 < /dev/null &
-  echo $! > "$HOLDER_PID"
+  local pid=$!
   wait_for 10 "the node's mount namespace" test -e "$NODE/holder.ready"
+  # Who the holder is and which mount namespace it holds: `down` kills by namespace only on this proof.
+  record_pid "$HOLDER_PID" "$pid" "$(readlink "/proc/$pid/ns/mnt")"
   start containerd containerd --config "$NODE/containerd.toml"
   wait_for 60 containerd ctr --address "$SOCK" version
   import_images
@@ -204,14 +210,24 @@ stop_pid() { # stop_pid <pid> <seconds>: TERM, then KILL after the deadline
 }
 
 node_pids() { # every process in the node's mount namespace or in its cgroups (containers, shims)
-  local h ns pid
-  h=$(holder)
-  if [[ -n $h ]] && ns=$(readlink "/proc/$h/ns/mnt" 2>/dev/null); then
-    for pid in /proc/[0-9]*; do
-      [[ $(readlink "$pid/ns/mnt" 2>/dev/null) == "$ns" ]] && echo "${pid#/proc/}"
-    done
+  local h ns expected mine pid
+  if h=$(holder); then
+    ns=$(readlink "/proc/$h/ns/mnt" 2>/dev/null) || ns=""
+    expected=$(recorded "$HOLDER_PID" 3)
+    mine=$(readlink /proc/self/ns/mnt)
+    # Kill by namespace only with proof: the recorded holder still runs, holds the namespace recorded when
+    # it started, and that namespace is not this machine's own.
+    if [[ -n $ns && $ns == "$expected" && $ns != "$mine" ]]; then
+      for pid in /proc/[0-9]*; do
+        [[ $(readlink "$pid/ns/mnt" 2>/dev/null) == "$ns" ]] && echo "${pid#/proc/}"
+      done
+    else
+      log "not killing by mount namespace: the holder's ${ns:-none} is not the one recorded (${expected:-none}) or is this machine's own"
+    fi
+  elif [[ -f $HOLDER_PID ]]; then
+    log "the recorded namespace holder is gone (its PID may now be another process's): nothing is killed by namespace"
   fi
-  for h in $(cgroup_dirs); do
+  for h in $(cgroup_dirs); do  # the node's own cgroup: only its containers and shims are in it
     [[ -d $h ]] && find "$h" -name cgroup.procs -exec cat {} + 2>/dev/null
   done
   true
@@ -220,7 +236,7 @@ node_pids() { # every process in the node's mount namespace or in its cgroups (c
 down() {
   local name pid
   for name in kube-proxy kubelet containerd; do
-    [[ -f $RUN/$name.pid ]] && stop_pid "$(cat "$RUN/$name.pid")" 10
+    if pid=$(live_pid "$RUN/$name.pid"); then stop_pid "$pid" 10; fi
     rm -f "$RUN/$name.pid"
   done
   # Containers, their shims and the holder; mounts live only in the node's namespaces and go with them.

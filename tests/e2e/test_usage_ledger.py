@@ -7,8 +7,12 @@ with the runtimes and the operator as pods of the real node.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import threading
+import uuid
 from typing import Any
 
+import httpx
 import pytest
 from kube_harness import Kubectl, container_id, eventually, in_cluster, node_ctr
 from operator_harness import ChartOperator
@@ -134,3 +138,98 @@ def test_concurrent_streams_across_a_pod_deletion_are_all_counted(
         mine = stream_through_shutdown(ip(pod), kube, pod["metadata"]["name"])
         sent = [mine, *(f.result(timeout=120) for f in others_)]
     exact(kube, sent, "after a deletion with several streams in flight")
+
+
+def test_a_pod_read_by_others_while_it_drains_is_still_booked_exactly(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    """A Prometheus (or anyone) reading /metrics of a draining pod ends nothing: only the operator's
+    acknowledgement of the final counters lets the runtime exit."""
+    kube.apply(service(replicas=1))
+    pod = serving_pods(kube, 1)[0]
+    sent = [complete(ip(pod), stream=True)]
+    exact(kube, sent, "before")
+    sent.append(complete(ip(pod), stream=True))  # served right before the deletion: only the final read has it
+    stop = threading.Event()
+
+    def hammer() -> None:
+        with in_cluster(2) as http:
+            while not stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    http.get(f"http://{ip(pod)}:8000/metrics")
+                stop.wait(0.1)
+
+    reader = threading.Thread(target=hammer, daemon=True)
+    reader.start()
+    try:
+        kube("delete", "pod", pod["metadata"]["name"], "--wait=false")
+        others(kube, pod, 1)
+        usage = exact(kube, sent, "after a deletion while another reader read /metrics every 100 ms")
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+    assert usage["podsUnaccounted"] == 0
+
+
+PEER = "tally-operator-peer"
+
+
+def start_peer(operator: ChartOperator) -> None:
+    """A third operator replica that outranks the chart's two (the highest peering priority)."""
+    chart = operator.system.json("get", "deployment", "tally-operator")
+    labels = {"app.kubernetes.io/name": "tally-operator", "app.kubernetes.io/instance": PEER}
+    spec = chart["spec"]
+    spec["replicas"] = 1
+    spec["selector"] = {"matchLabels": labels}
+    spec["template"]["metadata"]["labels"] = labels
+    container = spec["template"]["spec"]["containers"][0]
+    container["args"] = [*container.get("args", []), f"--priority={2**31 - 1}"]
+    paused = operator.logs().count("Pausing operations in favour of")  # the chart's standby already did
+    operator.system.apply({"apiVersion": "apps/v1", "kind": "Deployment",
+                           "metadata": {"name": PEER, "namespace": chart["metadata"]["namespace"]}, "spec": spec})
+    operator.system("rollout", "status", f"deployment/{PEER}", "--timeout=180s")
+    eventually(lambda: operator.logs().count("Pausing operations in favour of") > paused, 90, interval=1,
+               what="the chart's active operator pausing for the higher-priority peer")
+
+
+def stop_peer(operator: ChartOperator, paused_logs: int) -> None:
+    operator.system("delete", "deployment", PEER, "--wait=true", "--timeout=120s")
+    eventually(lambda: operator.logs().count("Resuming operations after the pause") > paused_logs, 120,
+               interval=1, what="the chart's operator resuming after the peer left")
+
+
+def evict(kube: Kubectl, pod: dict[str, Any]) -> None:
+    """A real eviction by the kubelet: the pod's ledger emptyDir is filled past its sizeLimit."""
+    node_ctr(kube.env, "tasks", "exec", "--exec-id", f"fill-{uuid.uuid4().hex[:6]}", container_id(pod),
+             "sh", "-c", "head -c 24M /dev/zero > /var/lib/tally/fill")
+    eventually(lambda: kube.json("get", "pod", pod["metadata"]["name"])["status"].get("phase") == "Failed", 120,
+               interval=1, what="the pod evicted by the kubelet")
+
+
+def test_usage_is_exact_through_a_peering_handover_a_replacement_and_an_eviction(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    kube.apply(service(replicas=1))
+    pod = serving_pods(kube, 1)[0]
+    sent = [complete(ip(pod), stream=True)]
+    seen = [exact(kube, sent, "before the handover")]
+    resumed_before = operator.logs().count("Resuming operations after the pause")
+    start_peer(operator)
+    try:
+        # the old active one is paused: the peer books a pod that serves and is replaced
+        sent.append(complete(ip(pod), stream=False))
+        seen.append(exact(kube, sent, "booked by the peer"))
+        sent.append(complete(ip(pod), stream=True))
+        kube("delete", "pod", pod["metadata"]["name"], "--wait=false")
+        pod = others(kube, pod, 1)[0]
+        sent.append(complete(ip(pod), stream=True))
+        seen.append(exact(kube, sent, "after a replacement under the peer"))
+    finally:
+        stop_peer(operator, resumed_before)
+    sent.append(complete(ip(pod), stream=True))  # the old active one resumed on its old memory
+    seen.append(exact(kube, sent, "after the old active operator resumed"))
+    evict(kube, pod)
+    pod = others(kube, pod, 1)[0]
+    sent.append(complete(ip(pod), stream=True))
+    seen.append(exact(kube, sent, "after an eviction"))
+    totals = [u["completionTokens"] for u in seen]
+    assert totals == sorted(totals) and [u["sequence"] for u in seen] == sorted(u["sequence"] for u in seen)
+    assert seen[-1]["podsUnaccounted"] <= 1  # the evicted pod's last reading was not final: nothing else was lost

@@ -185,3 +185,34 @@ def test_sigterm_lets_the_stream_finish_although_sglang_has_its_own_handler(tmp_
         assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         stop(proc)
+
+
+def test_disconnects_bill_what_sglang_generated_so_drift_stays_zero(sglang_url: str) -> None:
+    """Each disconnect leaves SGLang a token it generated and counted after the last item read; Tally
+    aborts, reads SGLang's final item for the request and bills that, so the two never drift apart."""
+    def metrics() -> str:
+        return httpx.get(f"{sglang_url}/metrics").text
+
+    def idle() -> bool:
+        text = metrics()
+        return metric_value(text, "tally_inflight_generations") == 0 and \
+            metric_value(text, "sglang:num_running_reqs") == 0
+
+    def drift() -> float:
+        return metric_value(metrics(), "tally_engine_usage_drift_tokens", {"kind": "completion"})
+
+    assert until(idle, 60)
+    before, aborted = drift(), metric_value(metrics(), "tally_requests_total", {"outcome": "aborted"})
+    host, port = sglang_url.removeprefix("http://").split(":")
+    for cut in range(6):
+        body = json.dumps({"prompt": f"Story {cut}:", "max_tokens": 300, "ignore_eos": True,
+                           "stream": True}).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            received = b""
+            while received.count(b"data: ") < 1 + cut % 3:
+                received += sock.recv(4096)
+    assert until(lambda: idle() and metric_value(metrics(), "tally_requests_total", {"outcome": "aborted"})
+                 == aborted + 6, 120)
+    assert until(lambda: drift() == before, 30), f"drift moved from {before} to {drift()}"

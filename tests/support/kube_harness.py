@@ -24,8 +24,8 @@ TEST_CLUSTER = {
 }
 
 # Pods and ClusterIPs live in the cluster's network namespace; this machine reaches them through the
-# cluster's SOCKS5 relay (hack/netns_relay.py --socks).
-PROXY = f"socks5://127.0.0.1:{TEST_CLUSTER['TALLY_PROXY_PORT']}"
+# cluster's SOCKS5 relay (hack/netns_relay.py --socks), with the credentials `cluster.sh env` prints.
+_proxy: list[str] = []
 
 # kwok's GPU nodes carry a taint of their own besides the GPU one: only pods that ask for a fake node land
 # there (the CPU example otherwise schedules onto the cluster's real node).
@@ -50,6 +50,7 @@ def cluster_env() -> dict[str, str]:
     _cluster("up", check=True, timeout=600)
     line = _cluster("env", check=True, capture_output=True, timeout=60).stdout.split()
     exported = dict(word.split("=", 1) for word in line if "=" in word)  # export KUBECONFIG=... TALLY_PROXY=...
+    _proxy[:] = [exported["TALLY_PROXY"]]
     bin_dir = subprocess.run([str(HACK / "build.sh"), "--print"], check=True, capture_output=True, text=True,
                              timeout=60).stdout.strip()
     return {**os.environ, **exported, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
@@ -57,7 +58,13 @@ def cluster_env() -> dict[str, str]:
 
 def in_cluster(timeout: float = 30) -> httpx.Client:
     """An HTTP client whose connections open inside the cluster: to pod IPs and Service ClusterIPs."""
-    return httpx.Client(proxy=PROXY, timeout=timeout)
+    if not _proxy:
+        raise RuntimeError("the tests' cluster is not up (cluster_env() first)")
+    return httpx.Client(proxy=_proxy[0], timeout=timeout)
+
+
+def cluster_netns() -> str:
+    return _cluster("netns", check=True, capture_output=True, timeout=60).stdout.strip()
 
 
 def container_id(pod: dict[str, Any]) -> str:
