@@ -138,8 +138,10 @@ protectKernelDefaults: true
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%}
-# Volumes are measured every 5 s (not every minute), so an emptyDir past its sizeLimit is evicted promptly.
+# Volumes are measured every 5 s (not every minute), so an emptyDir past its sizeLimit is evicted promptly;
+# pods are synced every 10 s, so an updated Secret reaches its volumes within seconds.
 volumeStatsAggPeriod: 5s
+syncFrequency: 10s
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}

@@ -17,6 +17,11 @@ LABEL_PART_OF = "app.kubernetes.io/part-of"
 
 RUNTIME_PORT = 8000
 RUNTIME_PORT_NAME = "http"
+# /metrics and the final-read handshake, apart from the API: only the operator needs them
+RUNTIME_METRICS_PORT = 8001
+RUNTIME_METRICS_PORT_NAME = "metrics"
+AUTH_DIR = "/etc/tally/auth"  # the API keys Secret, mounted read-only
+API_KEYS_FILE = f"{AUTH_DIR}/api-keys"
 CONTAINER_NAME = "runtime"
 RUNTIME_UID = 10001
 LEDGER_DIR = "/var/lib/tally"  # an emptyDir: outlives the container, so counters survive its restarts

@@ -60,7 +60,8 @@ def grace_seconds(spec: Spec) -> int:
 def runtime_args(spec: Spec) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
-        "serve", "--host", "::", "--port", str(c.RUNTIME_PORT), "--engine", spec.engine_kind,
+        "serve", "--host", "::", "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
+        "--engine", spec.engine_kind,
         "--served-model-name", spec.model_name, "--context-length", str(spec.context_length),
         "--max-concurrent-generations", str(spec.max_concurrent_generations),
         "--journal-path", c.JOURNAL_PATH, "--drain-seconds", str(spec.drain_seconds),
@@ -68,6 +69,10 @@ def runtime_args(spec: Spec) -> list[str]:
     ]
     if spec.model_path:
         args += ["--model-path", spec.model_path]
+    if spec.api_keys_secret:
+        args += ["--api-keys-file", c.API_KEYS_FILE]
+        if spec.trust_tenant_header:
+            args.append("--trust-tenant-header")
     if spec.engine_kind == "sglang":
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size),
                  "--data-parallel-size", str(max(1, spec.gpus // spec.tensor_parallel_size))]
@@ -93,15 +98,19 @@ def _container(spec: Spec, settings: OperatorSettings) -> Obj:
                          {"name": "ledger", "mountPath": c.LEDGER_DIR}]
     if spec.model_volume:
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
+    if spec.api_keys_secret:
+        mounts.append({"name": "api-keys", "mountPath": c.AUTH_DIR, "readOnly": True})
     return {
         "name": c.CONTAINER_NAME,
         "image": spec.image or settings.runtime_image,
         "args": runtime_args(spec),
-        "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"}],
+        "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
+                  {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
         # The pod's uid goes on the runtime's /metrics, so the operator can tell it reached this very pod
-        # (a pod IP is reused once a pod is gone).
+        # (a pod IP is reused once a pod is gone). The root filesystem is read-only: caches go to /tmp.
         "env": [{"name": "TALLY_LOG_LEVEL", "value": "info"},
                 {"name": "TALLY_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                {"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
                 *[dict(e) for e in spec.env]],
         "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory}, "limits": limits},
         "volumeMounts": mounts,
@@ -110,7 +119,7 @@ def _container(spec: Spec, settings: OperatorSettings) -> Obj:
         "readinessProbe": _probe(5, 2),
         "livenessProbe": _probe(10, 3),
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"]}},
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
     }
 
 
@@ -128,7 +137,10 @@ def _pod_spec(spec: Spec, settings: OperatorSettings) -> Obj:
         {"name": "ledger", "emptyDir": {"sizeLimit": "16Mi"}},
     ]
     if spec.model_volume:
-        volumes.append({"name": "models", **dict(spec.model_volume)})
+        volumes.append({"name": "models", **{k: v for k, v in spec.model_volume.items() if k != "name"}})
+    if spec.api_keys_secret:
+        volumes.append({"name": "api-keys", "secret": {"secretName": spec.api_keys_secret, "defaultMode": 0o400,
+                                                       "items": [{"key": spec.api_keys_key, "path": "api-keys"}]}})
     pod: Obj = {
         "containers": [_container(spec, settings)],
         "volumes": volumes,
@@ -164,7 +176,8 @@ def desired_deployment(meta: Mapping[str, Any], spec: Spec, settings: OperatorSe
             "template": {
                 "metadata": {
                     "labels": labels(name),
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.RUNTIME_PORT),
+                    "annotations": {"prometheus.io/scrape": "true",
+                                    "prometheus.io/port": str(c.RUNTIME_METRICS_PORT),
                                     "prometheus.io/path": "/metrics"},
                 },
                 "spec": _pod_spec(spec, settings),
@@ -196,4 +209,26 @@ def desired_pdb(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(meta),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta["name"])}},
+    }
+
+
+def desired_network_policy(meta: Mapping[str, Any], settings: OperatorSettings) -> Obj | None:
+    """With the operator's `network_policy` setting: the metrics port open only to the operator's own pods,
+    the API port only to pods of the service's namespace (widen it with a NetworkPolicy of your own)."""
+    if not settings.network_policy:
+        return None
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.namespace}},
+                "podSelector": {"matchLabels": {c.LABEL_INSTANCE: settings.instance}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(meta),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(meta["name"])},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [operator], "ports": [{"port": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}]},
+                {"from": [{"podSelector": {}}], "ports": [{"port": c.RUNTIME_PORT, "protocol": "TCP"}]},
+            ],
+        },
     }

@@ -93,9 +93,11 @@ class Kube:
             return None
 
     @_sorted_errors
-    def delete(self, api_version: str, kind: str, name: str, namespace: str) -> bool:
+    def delete(self, api_version: str, kind: str, name: str, namespace: str, uid: str | None = None) -> bool:
+        """Delete; given `uid`, only that very object (a namesake created since is left alone: 409)."""
+        body = {"preconditions": {"uid": uid}} if uid else None
         try:
-            self._resource(api_version, kind).delete(name=name, namespace=namespace)
+            self._resource(api_version, kind).delete(name=name, namespace=namespace, body=body)
         except NotFoundError:
             return False
         return True

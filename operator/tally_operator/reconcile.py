@@ -29,16 +29,23 @@ import kopf
 from tally_operator import constants as c
 from tally_operator.bookkeeping import Observed, Plan, plan
 from tally_operator.conditions import is_bad
-from tally_operator.desired import desired_deployment, desired_pdb, desired_service, endpoint
+from tally_operator.desired import (
+    desired_deployment,
+    desired_network_policy,
+    desired_pdb,
+    desired_service,
+    endpoint,
+)
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
 from tally_operator.observations import Observations
+from tally_operator.policy import check_policy
 from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import post_json, scrape
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec, SpecError, parse_spec
 from tally_operator.status import invalid_verdicts, observed_fields, workload_verdicts
-from tally_operator.usage import Round, counted_uids, ledger_from_status, owned_pods, scrape_targets
+from tally_operator.usage import Round, controller_uid, counted_uids, ledger_from_status, owned_pods, scrape_targets
 from tally_runtime.contract import FINAL_READ_PATH
 
 log = logging.getLogger("tally_operator")
@@ -95,6 +102,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     fields: dict[str, Any] = {"endpoint": endpoint(meta, ctx.settings)}
     try:
         spec = parse_spec(body.spec)
+        check_policy(spec, ctx.settings)
     except SpecError as error:
         await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(error), fields)))
         return
@@ -107,6 +115,9 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         if error.transient:
             raise
         memory.apply_error = rejected(error)
+        deployment, pods = None, []
+    except SpecError as error:  # a child's name is taken by someone else's object
+        memory.apply_error = error
         deployment, pods = None, []
     if memory.apply_error is not None:  # until a pass applies cleanly, the rejection is the news
         observed = Observed(generation, invalid_verdicts(memory.apply_error), fields)
@@ -155,7 +166,7 @@ async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[st
                        obj: Mapping[str, Any]) -> Scraped:
     """Read every pod the ledger counts or should count; each pod's failure is that pod's alone."""
     readings = ledger_from_status((obj.get("status") or {}).get("usage") or {}).readings
-    targets = scrape_targets(pods, readings, c.RUNTIME_PORT)
+    targets = scrape_targets(pods, readings, c.RUNTIME_METRICS_PORT)
     results = await scrape(targets, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
     samples: dict[str, PodSample] = {}
     failed: set[str] = set()
@@ -250,13 +261,26 @@ def rejected(error: KubeError) -> SpecError:
 
 
 def apply_all(ctx: Context, meta: dict[str, str], spec: Spec) -> None:
-    ctx.kube.apply(desired_deployment(meta, spec, ctx.settings))
-    ctx.kube.apply(desired_service(meta))
-    pdb = desired_pdb(meta, spec)
-    if pdb is not None:
-        ctx.kube.apply(pdb)
-    else:
-        ctx.kube.delete("policy/v1", "PodDisruptionBudget", meta["name"], meta["namespace"])
+    """Apply every child; a child this service does not need is deleted. Only objects this CompletionService
+    controls are ever written or deleted: a same-named object of someone else's is left alone, and the
+    pass stops with `NameConflict` (the status and an Event say so)."""
+    children: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("apps/v1", "Deployment", desired_deployment(meta, spec, ctx.settings)),
+        ("v1", "Service", desired_service(meta)),
+        ("policy/v1", "PodDisruptionBudget", desired_pdb(meta, spec)),
+        ("networking.k8s.io/v1", "NetworkPolicy", desired_network_policy(meta, ctx.settings)),
+    ]
+    for api_version, kind, desired in children:
+        if desired is None and kind == "NetworkPolicy" and not ctx.settings.network_policy:
+            continue  # never managed here: nothing to look for (and no RBAC to look with)
+        existing = ctx.kube.get(api_version, kind, meta["name"], meta["namespace"])
+        if existing is not None and controller_uid(existing) != meta["uid"]:
+            raise SpecError("NameConflict", f"A {kind} named {meta['name']} already exists and is not this "
+                                            f"CompletionService's; it is left alone: delete or rename it")
+        if desired is not None:
+            ctx.kube.apply(desired)
+        elif existing is not None:
+            ctx.kube.delete(api_version, kind, meta["name"], meta["namespace"], uid=existing["metadata"]["uid"])
 
 
 def now() -> str:

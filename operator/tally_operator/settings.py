@@ -1,4 +1,9 @@
-"""Typed operator settings, read once from TALLY_OPERATOR_* environment variables."""
+"""Typed operator settings, read once from TALLY_OPERATOR_* environment variables.
+
+The `allowed_*` settings are what a CompletionService may ask for beyond a plain service (spec.py checks
+them; the chart's admission policy holds the same lists): each is a comma-separated list in its variable.
+By default a CompletionService may mount a PVC, ConfigMap, emptyDir or image volume, run the operator's own
+runtime image, tolerate the GPU resource's taint, and nothing more."""
 
 from __future__ import annotations
 
@@ -20,6 +25,16 @@ class OperatorSettings:
     scrape_timeout: float = 3.0
     peering_name: str = "tally-operator"  # the chart sets the release's full name
     peering_clusterwide: bool = True  # False for an operator that watches given namespaces
+    allowed_volume_types: tuple[str, ...] = ("persistentVolumeClaim", "configMap", "emptyDir", "image")
+    allowed_images: tuple[str, ...] = ()  # beyond runtime_image; an entry ending in '*' is a prefix
+    allowed_toleration_keys: tuple[str, ...] = ()  # beyond the GPU resource's own taint
+    allowed_priority_classes: tuple[str, ...] = ()
+    allowed_runtime_classes: tuple[str, ...] = ()
+    # A NetworkPolicy per service: its metrics port open to this operator's pods only (namespace and
+    # instance label below), its API port to the pods of its own namespace
+    network_policy: bool = False
+    namespace: str = ""  # where the operator runs (the chart sets it from the downward API)
+    instance: str = "tally-operator"  # its pods' app.kubernetes.io/instance label
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -30,7 +45,10 @@ class OperatorSettings:
             if key in env:
                 try:
                     kind = type(getattr(cls(), f.name))
-                    values[f.name] = _boolean(env[key]) if kind is bool else kind(env[key])
+                    if kind is tuple:
+                        values[f.name] = tuple(item.strip() for item in env[key].split(",") if item.strip())
+                    else:
+                        values[f.name] = _boolean(env[key]) if kind is bool else kind(env[key])
                 except ValueError as err:
                     raise ValueError(f"{key}: {err}") from None
         return cls(**values)  # type: ignore[arg-type]

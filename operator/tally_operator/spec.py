@@ -49,6 +49,9 @@ class Spec:
     drain_seconds: int = 300
     scrape_interval_seconds: int = 15
     max_mismatch_ratio: float = 0.0
+    api_keys_secret: str = ""  # a Secret of the service's namespace holding its API keys (auth.py's format)
+    api_keys_key: str = "api-keys"  # the key of that Secret
+    trust_tenant_header: bool = False
 
 
 def parse_spec(raw: Mapping[str, Any]) -> Spec:
@@ -58,6 +61,8 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
     resources = raw.get("resources") or {}
     scheduling = raw.get("scheduling") or {}
     health = raw.get("usageHealth") or {}
+    auth = raw.get("auth") or {}
+    keys = auth.get("apiKeysSecret") or {}
     if not model.get("name"):
         raise SpecError("InvalidSpec", "spec.model.name is required")
     spec = Spec(
@@ -88,17 +93,43 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         drain_seconds=int(raw.get("drainSeconds", 300)),
         scrape_interval_seconds=int(health.get("scrapeIntervalSeconds", 15)),
         max_mismatch_ratio=float(health.get("maxMismatchRatio", 0.0)),
+        api_keys_secret=str(keys.get("name") or ""),
+        api_keys_key=str(keys.get("key") or "api-keys"),
+        trust_tenant_header=bool(auth.get("trustTenantHeader", False)),
     )
     check(spec)
     return spec
 
 
+# Environment variables a service may not set: the runtime's own settings (TALLY_*: the operator passes
+# those as flags, and an unset flag would fall back to them) and what changes how Python loads code.
+FORBIDDEN_ENV_PREFIXES = ("TALLY_", "PYTHON", "LD_")
+
+
+def owned_flag(arg: str) -> str | None:
+    """The owned argument `arg` sets, also when abbreviated (argparse would take `--mem-frac` for
+    `--mem-fraction-static`); the runtime parses engine args without abbreviations, the check is for a
+    clear error here instead of a pod that cannot start."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--") or len(flag) < 4:
+        return None
+    return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
+
+
 def check(spec: Spec) -> None:
-    owned = sorted({a.split("=", 1)[0] for a in spec.engine_args} & OWNED_ENGINE_ARGS)
+    owned = sorted({owned for a in spec.engine_args if (owned := owned_flag(a))})
     if owned:
         raise SpecError("OwnedEngineArgument",
-                        f"spec.engine.args sets {', '.join(owned)}, which Tally manages; use the matching spec "
-                        "field instead")
+                        f"spec.engine.args sets {', '.join(owned)} (or an abbreviation of it), which Tally "
+                        "manages; use the matching spec field instead")
+    for env in spec.env:
+        name = str(env.get("name") or "")
+        if "valueFrom" in env:
+            raise SpecError("ForbiddenEnv", f"spec.engine.env {name!r} uses valueFrom: only literal values are "
+                                            "allowed (a CompletionService may not read Secrets or the pod's fields)")
+        if name.upper().startswith(FORBIDDEN_ENV_PREFIXES):
+            raise SpecError("ForbiddenEnv", f"spec.engine.env may not set {name!r}: names starting with "
+                                            f"{', '.join(FORBIDDEN_ENV_PREFIXES)} are the runtime's own")
     if spec.engine_kind == "sglang" and spec.gpus % spec.tensor_parallel_size:
         raise SpecError("GPUsNotDivisible",
                         f"resources.gpus ({spec.gpus}) is not a multiple of engine.tensorParallelSize "

@@ -103,14 +103,15 @@ def owned_pods(pods: Iterable[Mapping[str, Any]], replica_sets: Iterable[Mapping
                deployment: Mapping[str, Any] | None, owner_uid: str) -> list[Mapping[str, Any]]:
     """The pods this CompletionService owns: controlled by a ReplicaSet that its own Deployment controls.
     A pod that merely carries the label (another team's, or one of a deleted namesake) is not counted."""
-    if deployment is None or _controller(deployment) != owner_uid:
+    if deployment is None or controller_uid(deployment) != owner_uid:
         return []
     deployment_uid = (deployment.get("metadata") or {}).get("uid")
-    ours = {(rs.get("metadata") or {}).get("uid") for rs in replica_sets if _controller(rs) == deployment_uid}
-    return [pod for pod in pods if _controller(pod) in ours]
+    ours = {(rs.get("metadata") or {}).get("uid") for rs in replica_sets if controller_uid(rs) == deployment_uid}
+    return [pod for pod in pods if controller_uid(pod) in ours]
 
 
-def _controller(obj: Mapping[str, Any]) -> str | None:
+def controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The uid of the object's controller (its ownerReference with controller: true), if any."""
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("controller"):
             return str(ref.get("uid"))

@@ -6,8 +6,9 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from tally_runtime.auth import KeysFileError
 from tally_runtime.engine.base import Engine
 from tally_runtime.settings import Settings, from_environment
 
@@ -48,10 +49,26 @@ def serve(settings: Settings) -> None:
         assert server is not None
         server.should_exit = True
 
-    app = create_app(settings, build_engine(settings), exit_now)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level, access_log=False))
-    server.run(sockets=[listening_socket(settings.host, settings.port)])
+    try:
+        app = create_app(settings, build_engine(settings), exit_now)
+    except KeysFileError as err:
+        fail(str(err))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                           access_log=False, limit_concurrency=settings.max_connections,
+                                           **http_protocol(settings)))
+    sockets = [listening_socket(settings.host, settings.port)]
+    if settings.metrics_port:
+        sockets.append(listening_socket(settings.host, settings.metrics_port))
+    server.run(sockets=sockets)
+
+
+def http_protocol(settings: Settings) -> dict[str, Any]:
+    """httptools with the head bounded (http_limits.py); h11, which bounds the head's size itself, without it."""
+    try:
+        from tally_runtime.http_limits import bounded_protocol
+    except ImportError:
+        return {"http": "h11", "h11_max_incomplete_event_size": settings.max_header_bytes}
+    return {"http": bounded_protocol(settings.max_header_bytes, settings.header_timeout_seconds)}
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -1,4 +1,8 @@
-"""create_app(settings, engine): the lifespan owns the engine; routers and error handlers are wired here."""
+"""create_app(settings, engine): the lifespan owns the engine; routers and error handlers are wired here.
+
+With `--metrics-port`, one app listens on two ports and `OnlyItsPort` keeps them apart: /metrics and the
+final-read handshake answer on the metrics port only (which only the operator should reach), the API on
+the API port only; /health answers on both."""
 
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tally_runtime import contract
+from tally_runtime.auth import ApiKeys
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
 from tally_runtime.ledger import Journal, Totals
@@ -55,6 +62,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
             max_queue_seconds=settings.max_queue_seconds, journal=journal, records=records,
         )
         app.state.tenant_header = settings.tenant_header
+        app.state.max_body_bytes = settings.max_body_bytes
         app.state.server = server
         app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit)
         if exit_now is not None:
@@ -74,6 +82,11 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     app = FastAPI(title="Tally runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
+    # Read now, so that a keys file that cannot be used stops the runtime before it serves anything.
+    app.state.api_keys = ApiKeys(Path(settings.api_keys_file)) if settings.api_keys_file else None
+    app.state.trust_tenant_header = settings.trust_tenant_header or app.state.api_keys is None
+    if settings.metrics_port:
+        app.add_middleware(OnlyItsPort, metrics_port=settings.metrics_port)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> Response:
@@ -97,3 +110,24 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
 
 def _no_exit() -> None:
     log.warning("Drained, but this app was given no way to stop its server")
+
+
+METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH})
+
+
+class OnlyItsPort:
+    """Each path on its own port: the metrics port serves /metrics, the handshake and /health; the API port
+    everything else. A request on the wrong port is a 404, as for a path that does not exist."""
+
+    def __init__(self, app: ASGIApp, metrics_port: int) -> None:
+        self.app = app
+        self.metrics_port = metrics_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            on_metrics_port = (scope.get("server") or (None, None))[1] == self.metrics_port
+            path = scope["path"]
+            if path != "/health" and (path in METRICS_PATHS) != on_metrics_port:
+                await error_response(ApiError(404, f"Not found: {path}"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

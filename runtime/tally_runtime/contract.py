@@ -41,6 +41,7 @@ TENANT_COMPLETION_TOKENS = f"{PREFIX}_tenant_completion_tokens"  # counter{tenan
 TENANT_CACHED_TOKENS = f"{PREFIX}_tenant_cached_tokens"  # counter{tenant}
 TENANT_OVERFLOW = f"{PREFIX}_tenant_overflow_requests"  # counter: requests booked to OTHER_TENANT
 OTHER_TENANT = "other"  # the bucket for tenants beyond the bound
+TENANT_SOURCES = f"{PREFIX}_tenant_sources"  # counter{source}: requests by what named their tenant
 
 # SGLang's own counters (its multiprocess collector is served beside ours)
 SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens_total"

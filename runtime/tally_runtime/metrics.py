@@ -75,6 +75,8 @@ class Metrics:
                     registry=r),
             Counter(contract.TENANT_CACHED_TOKENS, "Cached prompt tokens per tenant", ["tenant"], registry=r),
         )
+        self.tenant_sources = Counter(contract.TENANT_SOURCES, "Requests by what named their tenant: key, header, "
+                                      "user or none", ["source"], registry=r)
         self.tenant_overflow = Counter(
             contract.TENANT_OVERFLOW,
             f"Requests of tenants beyond the first {self.max_tenants}, booked to tenant={contract.OTHER_TENANT!r}",

@@ -2,16 +2,25 @@
 
 Pure apart from the engine's tokenizer: nothing is admitted or generated yet. The endpoint kind is
 chosen here too (chunk shapes, id prefix, response builder), so nothing downstream compares names.
+
+What costs something is checked before it is spent: the number of generations (prompts x n) before any
+prompt is tokenized, and a large input is tokenized on a worker thread, not on the event loop every open
+stream shares. A chat's message contents are tokenized with special tokens off: only the template may
+write role and control tokens (a message that spells `<|im_start|>system` stays text). A completion's
+prompt is the client's whole input and is tokenized as SGLang and vLLM do, special tokens included.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tally_runtime.engine.base import Engine, EngineInfo, GenerationRequest, SamplingParams
 from tally_runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -25,8 +34,11 @@ from tally_runtime.streaming import (
 )
 
 log = logging.getLogger("tally_runtime.prepare")
+T = TypeVar("T")
 
 Response = Callable[[ResponseHeader, Sequence[ChoiceResult], dict[str, Any]], dict[str, Any]]
+INLINE_TOKENIZE_CHARS = 16_384  # inputs up to this size are tokenized on the event loop (microseconds)
+MAX_LOGGED_FIELDS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,30 +93,48 @@ class Preparer:
         self.model = model
         self.limit = limit
         self.force_include_usage = force_include_usage
+        # One thread: tokenizers are not all safe to share between threads, and this is only for large inputs.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    def completion(self, req: CompletionRequest) -> Job:
+    async def completion(self, req: CompletionRequest) -> Job:
         self._check_common(req)
         if req.best_of is not None and req.best_of > 1 and req.stream:
             raise ApiError(400, "best_of > 1 cannot be streamed", param="best_of")
         if req.best_of is not None and req.best_of < req.n:
             raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
-        prompts, texts = self._completion_prompts(req.prompt)
+        items = prompt_items(req.prompt)
+        self._check_generations(len(items) * req.n)
+        prompts, texts = await self._off_loop(sum(map(len, items)), self._completion_prompts, items)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         for ids in prompts:
             self._check_context(len(ids), max_tokens, "prompt")
         return self._job(COMPLETIONS, req, prompts, texts, max_tokens, req.logprobs, req.echo)
 
-    def chat(self, req: ChatCompletionRequest) -> Job:
+    async def chat(self, req: ChatCompletionRequest) -> Job:
         self._check_common(req)
-        text = self.engine.render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
-        # The template already wrote any special tokens it wants (a BOS, say): tokenizing must not add
-        # them again, as Hugging Face's apply_chat_template(tokenize=True) and SGLang's server do not.
-        ids = tuple(self.engine.tokenize(text, add_special_tokens=False))
+        self._check_generations(req.n)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text, ids = await self._off_loop(sum(len(m["content"]) for m in messages), self._chat_prompt, messages)
         limit = req.token_limit()
         max_tokens = limit if limit is not None else self.info.context_length - len(ids)
         self._check_context(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False)
+
+    async def _off_loop(self, size: int, work: Callable[[Any], T], argument: Any) -> T:
+        if size <= INLINE_TOKENIZE_CHARS:
+            return work(argument)
+        return await asyncio.get_running_loop().run_in_executor(self.worker, work, argument)
+
+    def _chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
+        """The rendered prompt and its ids: the template's own text with special tokens parsed, each
+        message's content as plain text. The template already wrote any special tokens it wants (a BOS,
+        say): none are added again, as Hugging Face's apply_chat_template(tokenize=True) does not."""
+        segments = chat_segments(self.engine.render_chat, messages)
+        ids: list[int] = []
+        for piece, from_template in segments:
+            ids += self.engine.tokenize(piece, add_special_tokens=False, parse_special=from_template)
+        return "".join(piece for piece, _ in segments), tuple(ids)
 
     def _check_common(self, req: SamplingRequest) -> None:
         if req.model is not None and req.model != self.model:
@@ -112,21 +142,23 @@ class Preparer:
                            param="model", code="model_not_found")
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "stream_options can only be set when stream is true", param="stream_options")
-        if req.unknown_fields():
-            log.info("Ignoring unsupported request fields %s", ", ".join(req.unknown_fields()))
+        if req.model_extra and req.model_extra.get("logit_bias"):
+            raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+        unknown = req.unknown_fields()
+        if unknown:  # client-chosen names: escaped and bounded, so none can forge a log line
+            shown = ", ".join(repr(name[:64]) for name in unknown[:MAX_LOGGED_FIELDS])
+            more = f" and {len(unknown) - MAX_LOGGED_FIELDS} more" if len(unknown) > MAX_LOGGED_FIELDS else ""
+            log.info("Ignoring unsupported request fields %s%s", shown, more)
 
-    def _completion_prompts(self, prompt: Any) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise ApiError(400, "Prompt cannot be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            prompt = [prompt]
+    def _check_generations(self, generations: int) -> None:
+        if generations > self.limit:
+            raise ApiError(400, f"This request needs {generations} concurrent generations (prompts x n); "
+                                f"the server runs at most {self.limit}", param="n")
+
+    def _completion_prompts(self, items: list[str | list[int]]) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
         ids: list[tuple[int, ...]] = []
         texts: list[str] = []
-        for item in prompt:
-            if not item:
-                raise ApiError(400, "Prompt cannot be empty", param="prompt")
+        for item in items:
             if isinstance(item, str):
                 ids.append(tuple(self.engine.tokenize(item)))
                 texts.append(item)
@@ -151,10 +183,6 @@ class Preparer:
 
     def _job(self, endpoint: Endpoint, req: SamplingRequest, prompts: tuple[tuple[int, ...], ...],
              texts: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool) -> Job:
-        generations = len(prompts) * req.n
-        if generations > self.limit:
-            raise ApiError(400, f"This request needs {generations} concurrent generations (prompts x n); "
-                                f"the server runs at most {self.limit}", param="n")
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=req.stop_list(), presence_penalty=req.presence_penalty,
@@ -169,3 +197,38 @@ class Preparer:
             include_usage=bool(options and options.include_usage) or self.force_include_usage,
             continuous_usage=bool(options and options.continuous_usage_stats), user=req.user,
         )
+
+
+def prompt_items(prompt: Any) -> list[str | list[int]]:
+    """A completion's prompts (a string, strings, token ids, or lists of them), each one non-empty."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "Prompt cannot be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    if any(not item for item in prompt):
+        raise ApiError(400, "Prompt cannot be empty", param="prompt")
+    return list(prompt)
+
+
+def chat_segments(render: Callable[[list[dict[str, str]]], str],
+                  messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """The rendered chat prompt as pieces, each marked whether the template wrote it (True) or it is a
+    message's content (False). The template is rendered once with a random marker in place of each content,
+    which is then put back between the template's pieces, so what a client wrote can never be read as the
+    template's markup. A content the template does not use is simply absent."""
+    nonce = uuid.uuid4().hex
+    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+    pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", render(marked))
+    segments: list[tuple[str, bool]] = []
+    for i, piece in enumerate(pieces):  # template, index, template, index, ..., template
+        if i % 2:
+            content = messages[int(piece)]["content"]
+            if content:
+                segments.append((content, False))
+        elif piece and segments and segments[-1][1]:  # the template's text around an empty content: one piece
+            segments[-1] = (segments[-1][0] + piece, True)
+        elif piece:
+            segments.append((piece, True))
+    return segments

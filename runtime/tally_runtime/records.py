@@ -17,13 +17,9 @@ from pathlib import Path
 
 import orjson
 
-from tally_runtime import contract
-from tally_runtime.protocol import ApiError
-
 log = logging.getLogger("tally_runtime.records")
 
 SCHEMA = "tally.usage.v1"
-NO_TENANT = "anonymous"  # requests that named no consumer
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +29,7 @@ class UsageRecord:
     model: str
     endpoint: str  # completions | chat
     tenant: str
+    tenant_source: str  # key | header | user | none: what named the tenant (auth.py)
     outcome: str  # ok | aborted | error | invalid | overloaded (as tally_requests_total's label)
     finish_reasons: tuple[str | None, ...]  # per choice, in index order; None: the choice did not finish
     n: int  # choices generated (prompts x n)
@@ -51,30 +48,14 @@ class UsageRecord:
         return orjson.dumps(body) + b"\n"
 
 
-MAX_TENANT_LENGTH = 128
-
-
-def tenant_of(header: str | None, user: str | None) -> str:
-    """Who the request is for: the gateway's tenant header wins over the client's own `user` field.
-
-    A tenant that names itself `other` would be booked together with the tenants beyond the bound (the
-    shared `other` series), so it is refused; `anonymous` means what it says and shares that bucket."""
-    for value, param in ((header, "tenant header"), (user, "user")):
-        if value and value.strip():
-            tenant = value.strip()[:MAX_TENANT_LENGTH]
-            if tenant == contract.OTHER_TENANT:
-                raise ApiError(400, f"The tenant name {tenant!r} is reserved for tenants beyond the server's "
-                                    "bound; use another name", param=param, code="invalid_tenant")
-            return tenant
-    return NO_TENANT
-
-
 class RecordSink:
     """Where records go: standard output (one write per record, so lines never interleave) and a file."""
 
     def __init__(self, stdout: bool, path: str = "") -> None:
         self.stdout = stdout
-        self.file = open(Path(path), "ab", buffering=0) if path else None  # noqa: SIM115 (lives as long as the app)
+        # 0600, as the journal: the records name every tenant and what it used
+        self.file = os.fdopen(os.open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab",
+                              buffering=0) if path else None
         self.failing = False
 
     def write(self, record: UsageRecord) -> None:

@@ -20,10 +20,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from tally_runtime import contract, sse
+from tally_runtime import auth, contract, sse
 from tally_runtime.prepare import Endpoint, Job
 from tally_runtime.protocol import ApiError
-from tally_runtime.records import tenant_of
 from tally_runtime.serving import Server
 
 T = TypeVar("T")
@@ -42,23 +41,31 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
 
 async def respond(request: Request, server: Server, endpoint: Endpoint,
                   prepare: Callable[[], Awaitable[Job]]) -> Response:
-    header = request.headers.get(request.app.state.tenant_header) if request.app.state.tenant_header else None
+    state = request.app.state
+    header_name: str = state.tenant_header
+    headers = request.headers.getlist(header_name) if header_name else []
     job: Job | None = None
+    # Who is billed, as far as it is known: a refusal is recorded under it (the key's or the header's tenant
+    # before the body is read, the `user` field's after); a client never makes a refusal count as another's.
+    tenant = auth.Tenant(auth.NO_TENANT, auth.SOURCE_NONE)
     started = time.monotonic()
     try:
+        keyed = auth.authenticate(state.api_keys, request.headers.getlist("authorization"))
+        tenant = auth.resolve(keyed, headers, state.trust_tenant_header, header_name, None)
         job = await prepare()
-        run = await until_disconnected(request, server.start(job, tenant_of(header, job.user), started))
+        tenant = auth.resolve(keyed, headers, state.trust_tenant_header, header_name, job.user)
+        run = await until_disconnected(request, server.start(job, tenant, started))
     except ApiError as error:
-        server.reject(endpoint.name, error, tenant_or_none(header, job), job)
+        server.reject(endpoint.name, error, tenant, job)
         return error_response(error)
     except ClientGone:  # left while queued or in prefill: the server recorded it
         return Response(status_code=CLIENT_CLOSED)
     except ClientDisconnect:  # left while sending its body: nothing was prepared
-        server.abandon(endpoint.name, contract.OUTCOME_ABORTED, tenant_or_none(header, None), None, started)
+        server.abandon(endpoint.name, contract.OUTCOME_ABORTED, tenant, None, started)
         return Response(status_code=CLIENT_CLOSED)
     except Exception:
         log.exception("Request to %s failed before it was admitted", endpoint.name)
-        server.fail(endpoint.name, tenant_or_none(header, job), started)
+        server.fail(endpoint.name, tenant, started)
         return error_response(ApiError(500, "Internal error while preparing the request"))
     if job.stream:
         return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)
@@ -71,12 +78,19 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
     return json_response(payload)
 
 
-def tenant_or_none(header: str | None, job: Job | None) -> str:
-    """The tenant a refused request is recorded under; one whose tenant is itself refused is anonymous."""
-    try:
-        return tenant_of(header, job.user if job else None)
-    except ApiError:
-        return tenant_of(None, None)
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to be larger than `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"The request body is larger than the server accepts ({limit} bytes)",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"The request body is larger than the server accepts ({limit} bytes)",
+                           code="request_too_large")
+    return bytes(body)
 
 
 class ClientGone(Exception):

@@ -26,6 +26,7 @@ from typing import Any
 
 from tally_runtime import contract, sse
 from tally_runtime.admission import Admission, QueueFull
+from tally_runtime.auth import Tenant
 from tally_runtime.engine.base import Delta, Engine, EngineError, EngineInfo, FinishReason, InvalidRequestError
 from tally_runtime.fanin import Batch, Choices
 from tally_runtime.ledger import Journal
@@ -69,29 +70,32 @@ class Server:
         self.runs: set[Run] = set()  # admitted and not yet closed
         self.closing: set[asyncio.Task[None]] = set()  # runs finishing their books (see Run.close)
 
-    def reject(self, endpoint: str, error: ApiError, tenant: str, job: Job | None = None) -> None:
+    def reject(self, endpoint: str, error: ApiError, tenant: Tenant, job: Job | None = None) -> None:
         """Record a request refused before it started: once, with no usage."""
         outcome = contract.OUTCOME_OVERLOADED if error.status == 503 else contract.OUTCOME_INVALID
         self.abandon(endpoint, outcome, tenant, job)
 
-    def abandon(self, endpoint: str, outcome: str, tenant: str, job: Job | None = None, started: float = 0.0) -> None:
+    def abandon(self, endpoint: str, outcome: str, tenant: Tenant, job: Job | None = None,
+                started: float = 0.0) -> None:
         """Record a request that ended before it ran (refused, or its client left while it waited)."""
         now = time.time()
         record = UsageRecord(
             id=job.header.id if job else f"req-{uuid.uuid4().hex}", time=now, model=self.model, endpoint=endpoint,
-            tenant=tenant, outcome=outcome, finish_reasons=(None,) * (job.generations if job else 0),
+            tenant=tenant.name, tenant_source=tenant.source, outcome=outcome,
+            finish_reasons=(None,) * (job.generations if job else 0),
             n=job.generations if job else 0, stream=bool(job and job.stream), prompt_tokens=0, completion_tokens=0,
             cached_tokens=0, reasoning_tokens=0, derived=False, time_to_first_token_seconds=None,
             duration_seconds=max(0.0, time.monotonic() - started) if started else 0.0)
         self.record(record, "none")
 
-    def fail(self, endpoint: str, tenant: str, started: float) -> None:
+    def fail(self, endpoint: str, tenant: Tenant, started: float) -> None:
         """Record a request that failed unexpectedly before it was admitted: an error, no usage."""
         self.abandon(endpoint, contract.OUTCOME_ERROR, tenant, None, started)
 
     def record(self, record: UsageRecord, finish_reason: str, usage: RequestUsage | None = None) -> None:
         """Count one finished request: the metrics, the journal and the usage record, from the same numbers."""
         self.metrics.record_request(record.endpoint, record.outcome, finish_reason)
+        self.metrics.tenant_sources.labels(record.tenant_source).inc()
         if usage is not None:
             self.metrics.record_usage(usage)
         if record.outcome not in contract.REFUSED_OUTCOMES:  # per tenant as in the totals: what was served
@@ -101,7 +105,7 @@ class Server:
         if self.records is not None:
             self.records.write(record)
 
-    async def start(self, job: Job, tenant: str, started: float = 0.0) -> Run:
+    async def start(self, job: Job, tenant: Tenant, started: float = 0.0) -> Run:
         """Admit the job and prime its first delta, so engine refusals still become HTTP errors.
 
         An `ApiError` (refused: not admitted, or the engine refused it before its first token) is left to
@@ -163,7 +167,7 @@ class Server:
 class Run:
     """One admitted job in flight: merges its choices' deltas and keeps its own accounts."""
 
-    def __init__(self, server: Server, job: Job, tenant: str) -> None:
+    def __init__(self, server: Server, job: Job, tenant: Tenant) -> None:
         self.server = server
         self.job = job
         self.tenant = tenant
@@ -280,7 +284,8 @@ class Run:
     def usage_record(self, usage: RequestUsage, duration: float) -> UsageRecord:
         job = self.job
         return UsageRecord(
-            id=job.header.id, time=time.time(), model=job.header.model, endpoint=job.endpoint.name, tenant=self.tenant,
+            id=job.header.id, time=time.time(), model=job.header.model, endpoint=job.endpoint.name,
+            tenant=self.tenant.name, tenant_source=self.tenant.source,
             outcome=self.outcome, finish_reasons=tuple(c.finish_reason for c in self.usage), n=job.generations,
             stream=job.stream, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens or 0, reasoning_tokens=usage.reasoning_tokens or 0,

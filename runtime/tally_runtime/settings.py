@@ -24,12 +24,19 @@ class Settings:
     max_concurrent_generations: int = 4
     max_queued_requests: int = 256
     max_queue_seconds: float = 60.0
+    max_body_bytes: int = 8 << 20
+    max_header_bytes: int = 64 << 10
+    header_timeout_seconds: float = 10.0
+    max_connections: int = 4096
     drain_seconds: float = 300.0
     final_read_seconds: float = 0.0
     journal_path: str = ""  # empty: no journal
     usage_records: bool = True  # one JSON line per request on stdout
     usage_records_file: str = ""
     tenant_header: str = "X-Tally-Tenant"
+    api_keys_file: str = ""  # empty: no keys (the tenant header or `user` names the tenant)
+    trust_tenant_header: bool = False
+    metrics_port: int = 0  # 0: /metrics on the API port
     max_tenants: int = 100
     force_include_usage: bool = False
     allow_cumulative_stream: bool = False
@@ -66,13 +73,23 @@ _HELP: dict[str, str] = {
     "max_concurrent_generations": "generations (choices) running at once; requests beyond wait in a FIFO queue",
     "max_queued_requests": "requests that may wait for admission; beyond that, 503 + Retry-After (0: no queue)",
     "max_queue_seconds": "longest a request waits for admission before it gets 503 + Retry-After",
+    "max_body_bytes": "largest request body accepted; a larger one gets 413",
+    "max_header_bytes": "largest request head (request line and headers) accepted; a larger one gets 431",
+    "header_timeout_seconds": "how long a connection may take to send a complete request head (then 408)",
+    "max_connections": "connections served at once; beyond, new ones get 503 (uvicorn's limit_concurrency)",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
     "final_read_seconds": "on SIGTERM, once drained, how long to wait for the operator to book the final "
     "counters (it posts them back to /internal/final-read); 0 exits at once",
     "usage_records": "write one JSON usage record per request to standard output (logs go to standard error)",
     "usage_records_file": "also append the usage records to this file",
     "tenant_header": "request header that names the consumer (set by your gateway); it wins over the OpenAI "
-    "'user' field; empty: only 'user'",
+    "'user' field; empty: only 'user'. With --api-keys-file it counts only with --trust-tenant-header",
+    "api_keys_file": "file of API keys, a '<tenant> <key>' line each (a mounted Secret; re-read when it changes): "
+    "every request then needs 'Authorization: Bearer <key>' and is billed to the key's tenant",
+    "trust_tenant_header": "with --api-keys-file: the key authenticates a gateway, and the tenant header (given "
+    "once) names the tenant",
+    "metrics_port": "serve /metrics and the final-read handshake on this port only, away from the API's "
+    "clients (0: on the API port)",
     "max_tenants": "tenants with their own label in /metrics; requests of later ones are counted as 'other'",
     "journal_path": "file that keeps the usage counters across restarts of this process (on a volume that "
     "outlives the container); empty: counters start from zero with every process",
@@ -143,12 +160,19 @@ def validate(settings: Settings) -> str:
         return f"--engine must be one of {', '.join(ENGINES)}, not {settings.engine!r}"
     if not 0 < settings.port < 65536:
         return f"--port must be 1-65535, not {settings.port}"
+    if not 0 <= settings.metrics_port < 65536 or settings.metrics_port == settings.port:
+        return f"--metrics-port must be 0 or a port other than --port, not {settings.metrics_port}"
     if settings.context_length < 16:
         return f"--context-length must be at least 16, not {settings.context_length}"
     if settings.max_concurrent_generations < 1:
         return "--max-concurrent-generations must be at least 1"
     if settings.max_tenants < 1:
         return "--max-tenants must be at least 1"
+    for name in ("max_body_bytes", "max_header_bytes", "max_connections"):
+        if getattr(settings, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if settings.header_timeout_seconds <= 0:
+        return "--header-timeout-seconds must be positive"
     if settings.max_queued_requests < 0:
         return "--max-queued-requests must be 0 (no queue) or more"
     for name in ("max_queue_seconds", "drain_seconds", "final_read_seconds"):

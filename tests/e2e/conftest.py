@@ -12,6 +12,9 @@ from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up, node
 from operator_harness import ChartOperator, install_chart
 
 OPERATOR_REPLICAS = 2
+# Fast intervals, and a policy widened for what the suite needs: kwok's taint and the contract fake's image.
+SUITE_SETTINGS = ("statusIntervalSeconds=1", "reconcileIntervalSeconds=3",
+                  "policy.allowedTolerationKeys={kwok.x-k8s.io/node}", "policy.allowedImages={tally-runtime-fakes:*}")
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +49,7 @@ def kube(kubectl: Kubectl, namespace: str) -> Kubectl:
 def operator(kubectl: Kubectl) -> Iterator[ChartOperator]:
     """The chart installed as a user would, its operator two pods of the operator image (peering), with fast
     status and reconcile intervals; scaled to none when the session ends."""
-    install_chart(kubectl, OPERATOR_REPLICAS, "statusIntervalSeconds=1", "reconcileIntervalSeconds=3")
+    install_chart(kubectl, OPERATOR_REPLICAS, *SUITE_SETTINGS)
     pods = ChartOperator(kubectl, OPERATOR_REPLICAS)
     pods.ready()
     yield pods

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,22 @@ def node_ctr(env: dict[str, str], *args: str) -> str:
                           env=env, timeout=60)
     if done.returncode != 0:
         raise RuntimeError(f"ctr {' '.join(args)} failed: {done.stderr}")
+    return done.stdout
+
+
+def node_exec(env: dict[str, str], container: str, *command: str) -> str:
+    """A command in a running container (`ctr tasks exec`), run inside the node's own mount namespace,
+    where containerd keeps the FIFOs an exec talks through."""
+    cluster = Path(TEST_CLUSTER["TALLY_CLUSTER_DIR"])
+    holder = (cluster / "run" / "node-holder.pid").read_text().split()[0]
+    ctr = shutil.which("ctr", path=env["PATH"])
+    assert ctr is not None, "ctr is not on the cluster's PATH"
+    done = subprocess.run(["nsenter", "-t", holder, "-m", "-n", "--", ctr, "--address",
+                           str(cluster / "node" / "run" / "containerd.sock"), "-n", "k8s.io", "tasks", "exec",
+                           "--exec-id", f"exec-{uuid.uuid4().hex[:8]}", container, *command],
+                          capture_output=True, text=True, env=env, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"ctr tasks exec {' '.join(command)} failed: {done.stderr}")
     return done.stdout
 
 

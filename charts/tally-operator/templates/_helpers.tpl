@@ -69,4 +69,9 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
+{{- end }}
 {{- end -}}

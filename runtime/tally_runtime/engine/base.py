@@ -163,9 +163,11 @@ class Engine(Protocol):
         """The engine's own series and token totals (empty for an engine that keeps none)."""
         ...
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids as the engine would see this prompt text (including any BOS it adds, unless
-        `add_special_tokens` is False: a rendered chat template already holds its own)."""
+        `add_special_tokens` is False: a rendered chat template already holds its own). With `parse_special`
+        False, text that spells a special token (`<|im_start|>`, say) is tokenized as plain text: chat message
+        content must never become a role or control token."""
         ...
 
     def detokenize(self, ids: Sequence[int]) -> str: ...

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import importlib.util
+import logging
 import os
 import random
 import threading
@@ -41,6 +42,7 @@ from tally_runtime.engine.base import (
 from tally_runtime.engine.stops import StopMatcher
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger("tally_runtime.engine.llamacpp")
 
 
 def embedded_model_path() -> Path:
@@ -145,9 +147,9 @@ class LlamaCppEngine:
 
     # ---- text
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         # llama.cpp adds a BOS only for models that declare add_bos_token.
-        return list(self._pool[0].tokenize(text.encode(), add_bos=add_special_tokens, special=True))
+        return list(self._pool[0].tokenize(text.encode(), add_bos=add_special_tokens, special=parse_special))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(self._pool[0].detokenize(list(ids))).decode("utf-8", errors="replace")
@@ -195,8 +197,9 @@ class LlamaCppEngine:
             try:
                 for delta in self._run(llama, request, cancel):
                     emit(delta)
-            except Exception as err:  # the engine's failure, reported on this request only
-                emit(EngineError(f"llama.cpp failed: {err}"))
+            except Exception:  # the engine's failure, reported on this request only; its words stay in the log
+                log.exception("llama.cpp failed generating %s", request.request_id)
+                emit(EngineError("The engine failed while generating"))
             finally:
                 self._running.pop(threading.current_thread(), None)
                 if not loop.is_closed():

@@ -191,8 +191,10 @@ class SGLangEngine:
 
     # ---- text
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        if parse_special:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
@@ -232,9 +234,10 @@ class SGLangEngine:
                 if finished:
                     return
         except ValueError as err:  # SGLang validates on the first iteration (§2)
-            if not started:
+            if not started:  # SGLang's own validation: its words are for the client
                 raise InvalidRequestError(str(err)) from None
-            raise EngineError(str(err)) from None
+            log.error("SGLang failed generating %s: %s", request.request_id, err)
+            raise EngineError("The engine failed while generating") from None
         except StreamModeViolation as err:
             self._health = Health(False, err.message)
             raise

@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from tally_runtime.prepare import COMPLETIONS, Job
 from tally_runtime.protocol import CompletionRequest, parse_json_body, validated
-from tally_runtime.respond import respond
+from tally_runtime.respond import read_body, respond
 from tally_runtime.serving import Server
 
 router = APIRouter()
@@ -18,7 +18,8 @@ async def create_completion(request: Request) -> Response:
     server: Server = request.app.state.server
 
     async def prepare() -> Job:
-        body = parse_json_body(await request.body(), request.headers.get("content-type"))
-        return server.prepare.completion(validated(CompletionRequest, body))
+        raw = await read_body(request, request.app.state.max_body_bytes)
+        body = parse_json_body(raw, request.headers.get("content-type"))
+        return await server.prepare.completion(validated(CompletionRequest, body))
 
     return await respond(request, server, COMPLETIONS, prepare)

@@ -20,7 +20,7 @@ def model_card(server: Server, created: int) -> dict[str, Any]:
         "object": "model",
         "created": created,
         "owned_by": "tally",
-        "root": server.info.model_path,
+        "root": server.model,  # the served name: where the weights lie on the pod is not a client's business
         "parent": None,
         "max_model_len": server.info.context_length,
     }

@@ -204,9 +204,10 @@ class _Tokenizer:
     def __init__(self, model: _Model) -> None:
         self.model = model
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         forced = current().bos_template
-        ids = list(self.model.llama.tokenize(text.encode(), add_bos=add_special_tokens and not forced, special=True))
+        ids = list(self.model.llama.tokenize(text.encode(), add_bos=add_special_tokens and not forced,
+                                             special=not split_special_tokens))
         if forced and add_special_tokens:
             return [self.model.bos, *ids]
         return ids

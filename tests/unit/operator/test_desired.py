@@ -35,13 +35,15 @@ def test_deployment_has_gpu_limits_probes_shm_and_safe_rollout() -> None:
                                                      "kind": "CompletionService", "name": "llama", "uid": "u-1",
                                                      "controller": True, "blockOwnerDeletion": True}
     assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True  # writable: /tmp, /dev/shm, the ledger
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp", "/dev/shm", "/var/lib/tally"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
 
 
 def test_runtime_args_carry_the_sglang_settings() -> None:
     args = runtime_args(parse_spec(SGLANG))
-    assert args[:7] == ["serve", "--host", "::", "--port", "8000", "--engine", "sglang"]
+    assert args[:9] == ["serve", "--host", "::", "--port", "8000", "--metrics-port", "8001", "--engine", "sglang"]
     pairs = dict(zip(args[1::2], args[2::2], strict=False))
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--data-parallel-size"] == "2"
     assert pairs["--model-path"] == "/models/llama" and args[-1] == "--engine-args=--stream-interval 2"

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tally_runtime.auth import Tenant
 from tally_runtime.engine.base import (
     Delta,
     EngineError,
@@ -27,6 +28,7 @@ from tally_runtime.protocol import ApiError, ChatCompletionRequest, CompletionRe
 from tally_runtime.serving import Server
 
 INFO = EngineInfo(model_path="/m", context_length=512, vocab_size=100)
+TENANT = Tenant("t", "header")
 
 
 class Script:
@@ -64,7 +66,7 @@ class ScriptedEngine:
     def own_metrics(self) -> EngineMetrics:
         return EngineMetrics()
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         return [1] * len(text.split()) + ([0] if add_special_tokens else [])
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -112,9 +114,9 @@ def events(chunks: list[bytes]) -> list[Any]:
 
 
 async def stream(srv: Server, body: dict[str, Any], chat: bool = False, take: int | None = None) -> list[Any]:
-    job = srv.prepare.chat(ChatCompletionRequest(**body)) if chat else srv.prepare.completion(
-        CompletionRequest(**body))
-    run = await srv.start(job, "t")
+    job = await (srv.prepare.chat(ChatCompletionRequest(**body)) if chat else srv.prepare.completion(
+        CompletionRequest(**body)))
+    run = await srv.start(job, TENANT)
     out: list[bytes] = []
     body_iter = run.stream()
     async for chunk in body_iter:
@@ -194,10 +196,10 @@ def test_a_refusal_before_the_first_token_is_recorded_once_and_unbilled(error: E
     srv = server(Script({0: []}, error={0: error}))
 
     async def scenario() -> ApiError:
-        job = srv.prepare.completion(CompletionRequest(**STREAM))
+        job = await srv.prepare.completion(CompletionRequest(**STREAM))
         with pytest.raises(ApiError) as caught:
-            await srv.start(job, "t")
-        srv.reject("completions", caught.value, "t", job)  # what the route does with it
+            await srv.start(job, TENANT)
+        srv.reject("completions", caught.value, TENANT, job)  # what the route does with it
         return caught.value
 
     refused = asyncio.run(scenario())
@@ -232,8 +234,11 @@ def test_requests_beyond_the_limit_queue_and_all_finish() -> None:
 def test_a_draining_server_refuses_new_requests_with_retry_after() -> None:
     srv = server(Script({0: tokens(1)}))
     srv.draining = True
+    async def scenario() -> None:
+        await srv.start(await srv.prepare.completion(CompletionRequest(**STREAM)), TENANT)
+
     with pytest.raises(ApiError) as caught:
-        asyncio.run(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
+        asyncio.run(scenario())
     assert caught.value.status == 503 and caught.value.headers["Retry-After"]
 
 
@@ -244,8 +249,8 @@ def test_an_abort_among_other_choices_in_one_batch_skips_none_of_their_counts() 
     srv = server(Script({0: [*tokens(1, finish=False), abort], 1: tokens(2)}, gate=gate))
 
     async def scenario() -> list[Any]:
-        job = srv.prepare.completion(CompletionRequest(**{**STREAM, "n": 2}))
-        starting = asyncio.create_task(srv.start(job, "t"))
+        job = await srv.prepare.completion(CompletionRequest(**{**STREAM, "n": 2}))
+        starting = asyncio.create_task(srv.start(job, TENANT))
         for _ in range(5):
             await asyncio.sleep(0)
         gate.set()
@@ -277,11 +282,11 @@ def test_a_client_that_leaves_while_queued_is_recorded_once_and_unbilled() -> No
     srv = server(Script({0: tokens(2)}, gate=gate), limit=1)
 
     async def scenario() -> None:
-        job = srv.prepare.completion(CompletionRequest(**STREAM))
-        holder = asyncio.create_task(srv.start(job, "t"))
+        job = await srv.prepare.completion(CompletionRequest(**STREAM))
+        holder = asyncio.create_task(srv.start(job, TENANT))
         for _ in range(5):
             await asyncio.sleep(0)
-        queued = asyncio.create_task(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
+        queued = asyncio.create_task(srv.start(await srv.prepare.completion(CompletionRequest(**STREAM)), TENANT))
         for _ in range(5):
             await asyncio.sleep(0)
         assert srv.admission.queued == 1
@@ -302,7 +307,7 @@ def test_a_client_that_leaves_in_prefill_is_recorded_once_by_its_run() -> None:
     srv = server(Script({}, stall={0}))
 
     async def scenario() -> None:
-        starting = asyncio.create_task(srv.start(srv.prepare.completion(CompletionRequest(**STREAM)), "t"))
+        starting = asyncio.create_task(srv.start(await srv.prepare.completion(CompletionRequest(**STREAM)), TENANT))
         for _ in range(5):
             await asyncio.sleep(0)
         starting.cancel()

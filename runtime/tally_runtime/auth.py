@@ -1,0 +1,192 @@
+"""API keys that name tenants (`--api-keys-file`), and who a request is billed to.
+
+The file holds one key per line, `<tenant> <key>`; blank lines and `#` comments are ignored. It is meant to
+be a key of a Kubernetes Secret mounted as a volume: the kubelet replaces the file in place when the
+Secret changes, and the runtime notices (it looks at the file's identity at most once a second) and reloads
+it, so a rotation needs no restart. A file that turns unreadable or invalid keeps the last good keys in
+force, and says so in the log; at start-up, one that cannot be read stops the runtime (it never serves
+without the keys it was told to require). Lines it cannot use are reported by line number, never by
+content: a key must not reach a log.
+
+Keys are held only as SHA-256 digests; a presented key is hashed and looked up, so nothing compares the
+secret itself. Key checking is per request, not per token (benchmarks/README.md measures its cost).
+
+Who is billed (`resolve`): with keys, the key's tenant; the tenant header then counts only in gateway mode
+(`--trust-tenant-header`), where the key authenticates a gateway that names the tenant. Without keys, the
+tenant header, else the OpenAI `user` field, else `anonymous` (anyone who reaches the pod chooses what it
+is billed to: run without keys only behind a gateway that sets the header). Whenever the header is taken,
+a request carrying it twice is refused rather than billed to the first one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tally_runtime import contract
+from tally_runtime.protocol import ApiError
+
+log = logging.getLogger("tally_runtime.auth")
+
+MAX_KEYS_FILE_BYTES = 1 << 20
+MAX_TENANT_LENGTH = 128
+RELOAD_SECONDS = 1.0
+NO_TENANT = "anonymous"  # requests that named no consumer
+
+# Where a request's tenant came from (usage records and tally_tenant_sources_total)
+SOURCE_KEY, SOURCE_HEADER, SOURCE_USER, SOURCE_NONE = "key", "header", "user", "none"
+SOURCES = (SOURCE_KEY, SOURCE_HEADER, SOURCE_USER, SOURCE_NONE)
+
+
+class KeysFileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    source: str
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def parse_keys(text: str) -> tuple[dict[bytes, str], list[str]]:
+    """Key digest -> tenant, and the problems found (by line number only)."""
+    keys: dict[bytes, str] = {}
+    problems: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            problems.append(f"line {number}: expected '<tenant> <key>'")
+            continue
+        tenant, key = parts
+        problem = tenant_problem(tenant) or ("the key is shorter than 16 characters" if len(key) < 16 else "")
+        if problem:
+            problems.append(f"line {number}: {problem}")
+        elif digest(key) in keys:
+            problems.append(f"line {number}: a key given twice (the first one's tenant keeps it)")
+        else:
+            keys[digest(key)] = tenant
+    return keys, problems
+
+
+def tenant_problem(tenant: str) -> str:
+    if len(tenant) > MAX_TENANT_LENGTH or not tenant.isprintable():
+        return f"a tenant name must be printable and at most {MAX_TENANT_LENGTH} characters"
+    if tenant in {contract.OTHER_TENANT, NO_TENANT}:
+        return f"the tenant name {tenant!r} is reserved"
+    return ""
+
+
+class ApiKeys:
+    """The keys of one file, reloaded when the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.keys: dict[bytes, str] = {}
+        self.identity: tuple[int, int, int, int] | None = None
+        self.checked = 0.0
+        self._load(initial=True)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        return frozenset(self.keys.values())
+
+    def tenant_of(self, key: str) -> str | None:
+        self._maybe_reload()
+        return self.keys.get(digest(key))
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self.checked >= RELOAD_SECONDS:
+            self.checked = now
+            self._load(initial=False)
+
+    def _load(self, initial: bool) -> None:
+        try:
+            stat = os.stat(self.path)
+            identity = (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if identity == self.identity:
+                return
+            if stat.st_size > MAX_KEYS_FILE_BYTES:
+                raise KeysFileError(f"larger than {MAX_KEYS_FILE_BYTES} bytes")
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError, KeysFileError) as err:
+            if initial:
+                raise KeysFileError(f"cannot read the API keys file {self.path}: {err}") from None
+            if self.identity is not None:
+                log.error("Cannot read the API keys file %s (%s): the previous keys stay in force", self.path, err)
+                self.identity = None  # report it once, and reload as soon as it is readable again
+            return
+        keys, problems = parse_keys(text)
+        for problem in problems:
+            log.error("API keys file %s, %s: that line is ignored", self.path, problem)
+        if not keys and initial:
+            raise KeysFileError(f"the API keys file {self.path} holds no usable key")
+        if not keys:
+            log.error("The API keys file %s holds no usable key: the previous keys stay in force", self.path)
+        else:
+            if not initial and keys != self.keys:
+                log.info("API keys reloaded from %s: %d key(s) for %d tenant(s)", self.path, len(keys),
+                         len(set(keys.values())))
+            self.keys = keys
+        self.identity = identity
+
+
+def bearer(values: Sequence[str]) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (exactly one such header), else None."""
+    if len(values) != 1:
+        return None
+    scheme, _, key = values[0].strip().partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+def authenticate(keys: ApiKeys | None, authorization: Sequence[str]) -> str | None:
+    """The tenant the request's API key names; None when no keys are configured. A missing or wrong key
+    is the OpenAI 401 (`invalid_api_key`)."""
+    if keys is None:
+        return None
+    key = bearer(authorization)
+    if key is None:
+        raise ApiError(401, "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+    tenant = keys.tenant_of(key)
+    if tenant is None:
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return tenant
+
+
+def resolve(keyed: str | None, tenant_headers: Sequence[str], trust_header: bool, header_name: str,
+            user: str | None) -> Tenant:
+    """Who the request is billed to: the key's tenant (the header only in gateway mode), or without keys
+    the header, the `user` field, or nobody. 400 for a tenant header given twice or the reserved `other`."""
+    if trust_header and header_name:
+        if len(tenant_headers) > 1:
+            raise ApiError(400, f"The {header_name} header was given {len(tenant_headers)} times; give it once",
+                           param=header_name, code="invalid_tenant")
+        if tenant_headers and tenant_headers[0].strip():
+            return named(tenant_headers[0], SOURCE_HEADER, header_name)
+    if keyed is not None:
+        return Tenant(keyed, SOURCE_KEY)
+    if user and user.strip():
+        return named(user, SOURCE_USER, "user")
+    return Tenant(NO_TENANT, SOURCE_NONE)
+
+
+def named(value: str, source: str, param: str) -> Tenant:
+    """A tenant a request names itself (header or `user`); `other` is refused: it is the overflow bucket."""
+    tenant = value.strip()[:MAX_TENANT_LENGTH]
+    if tenant == contract.OTHER_TENANT:
+        raise ApiError(400, f"The tenant name {tenant!r} is reserved for tenants beyond the server's bound; use "
+                            "another name", param=param, code="invalid_tenant")
+    return Tenant(tenant, source)

@@ -1,0 +1,125 @@
+"""A CompletionService grants no more than a service, and its API keys name tenants: on the real cluster.
+
+The chart's ValidatingAdmissionPolicy refuses a forbidden spec before it reaches etcd (the CRD's own CEL
+refuses a Secret in the environment); with the policy unbound, the operator refuses it and says why. A
+same-named Service of someone else's is left alone. Keys from a Secret name the tenant, a spoofed tenant
+header is ignored, and updating the Secret rotates the keys without a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from kube_harness import Kubectl, eventually, in_cluster
+from operator_harness import ChartOperator
+from usage_harness import MODEL, service, serving_pods
+
+pytestmark = pytest.mark.e2e
+
+POLICY = "tally-operator"  # the chart's ValidatingAdmissionPolicy and its binding
+
+
+def condition(kube: Kubectl, kind: str, name: str = "smollm") -> dict[str, Any]:
+    status = kube.json("get", "completionservice", name).get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def forbidden(volume: dict[str, Any] | None = None, **engine: Any) -> dict[str, Any]:
+    manifest = service(replicas=1)
+    if volume:
+        manifest["spec"]["model"]["volume"] = volume
+    manifest["spec"]["engine"].update(engine)
+    return manifest
+
+
+def refused_on_apply(kube: Kubectl, manifest: dict[str, Any]) -> str:
+    done = subprocess.run(["kubectl", "-n", str(kube.namespace), "apply", "-f", "-"], input=json.dumps(manifest),
+                          capture_output=True, text=True, env=kube.env, timeout=60)
+    assert done.returncode != 0, "the API server took a forbidden CompletionService"
+    return done.stderr
+
+
+@pytest.fixture
+def unbound(kubectl: Kubectl, operator: ChartOperator) -> Iterator[None]:
+    """The admission policy's binding removed (as on a cluster without it), restored afterwards."""
+    binding = kubectl.json("get", "validatingadmissionpolicybinding", POLICY)
+    kubectl("delete", "validatingadmissionpolicybinding", POLICY)
+    yield
+    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        binding["metadata"].pop(key, None)
+    kubectl.apply(binding)
+
+
+def test_the_api_server_refuses_a_completion_service_that_is_more_than_a_service(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    assert "spec.model.volume may use only" in refused_on_apply(kube, forbidden({"hostPath": {"path": "/etc"}}))
+    assert "spec.engine.image must be one of" in refused_on_apply(kube, forbidden(image="evil/runtime:1"))
+    secret_env = forbidden(env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}])
+    assert "literal values only" in refused_on_apply(kube, secret_env)
+    assert "TALLY_" in refused_on_apply(kube, forbidden(env=[{"name": "TALLY_API_KEYS_FILE", "value": "/dev/null"}]))
+    assert "smollm" not in kube("get", "completionservices", "-o", "name")
+
+
+@pytest.mark.parametrize(("manifest", "reason"), [
+    pytest.param(forbidden({"hostPath": {"path": "/etc"}}), "ForbiddenVolume", id="host-path"),
+    pytest.param(forbidden(image="evil/runtime:1"), "ForbiddenImage", id="foreign-image"),
+])
+def test_without_the_policy_the_operator_refuses_it_and_says_why(
+        unbound: None, kube: Kubectl, manifest: dict[str, Any], reason: str) -> None:
+    kube.apply(manifest)
+    ready = eventually(lambda: (r := condition(kube, "Ready")).get("reason") == reason and r, 60,
+                       what=f"Ready=False {reason}")
+    assert ready["status"] == "False"
+    assert kube("get", "deployments", "-o", "name") == ""  # nothing was created for it
+    assert reason in kube("get", "events", "-o", "jsonpath={.items[*].message}")
+
+
+def test_a_same_named_service_of_someone_else_is_left_alone(operator: ChartOperator, kube: Kubectl) -> None:
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "smollm", "labels": {"team": "theirs"}},
+              "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}}
+    kube.apply(theirs)
+    kube.apply(service(replicas=1))
+    eventually(lambda: condition(kube, "Ready").get("reason") == "NameConflict", 60, what="Ready=False NameConflict")
+    after = kube.json("get", "service", "smollm")
+    assert after["spec"]["selector"] == {"app": "theirs"} and not after["metadata"].get("ownerReferences")
+    kube("delete", "completionservice", "smollm", "--wait=true", "--timeout=60s")
+    assert kube.json("get", "service", "smollm")["metadata"]["uid"] == after["metadata"]["uid"]  # still theirs
+
+
+def call(ip: str, key: str, tenant: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}", **({"X-Tally-Tenant": tenant} if tenant else {})}
+    with in_cluster(60) as http:
+        return http.post(f"http://{ip}:8000/v1/completions", headers=headers,
+                         json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+
+
+def test_keys_from_a_secret_name_the_tenant_and_rotate_without_a_restart(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    old, new = f"sk-old-{uuid.uuid4().hex}", f"sk-new-{uuid.uuid4().hex}"
+    kube("create", "secret", "generic", "keys", f"--from-literal=api-keys=team-a {old}\n")
+    manifest = service(replicas=1)
+    manifest["spec"]["auth"] = {"apiKeysSecret": {"name": "keys"}}
+    kube.apply(manifest)
+    pod = serving_pods(kube, 1)[0]
+    ip = pod["status"]["podIP"]
+    assert call(ip, old, tenant="team-b").status_code == 200  # the spoofed header is not who pays
+    assert call(ip, "sk-guessed-0123456789abcdef").status_code == 401
+    with in_cluster(10) as http:
+        assert http.get(f"http://{ip}:8000/metrics").status_code == 404  # not on the API's port
+        metrics = http.get(f"http://{ip}:8001/metrics").text
+    assert 'tally_tenant_requests_total{tenant="team-a"} 1.0' in metrics
+    assert 'tenant="team-b"' not in metrics
+    patched = subprocess.run(["kubectl", "-n", str(kube.namespace), "create", "secret", "generic", "keys",
+                              f"--from-literal=api-keys=team-a {new}\n", "--dry-run=client", "-o", "json"],
+                             capture_output=True, text=True, env=kube.env, check=True).stdout
+    kube("apply", "-f", "-", stdin=patched)
+    eventually(lambda: call(ip, new).status_code == 200, 120, interval=1, what="the rotated key accepted")
+    assert call(ip, old).status_code == 401
+    restarts = kube.json("get", "pod", pod["metadata"]["name"])["status"]["containerStatuses"][0]["restartCount"]
+    assert restarts == 0

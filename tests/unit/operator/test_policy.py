@@ -1,0 +1,94 @@
+"""What a CompletionService may ask for: refused by default beyond a plain service, widened by settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tally_operator.desired import desired_deployment, desired_network_policy
+from tally_operator.policy import check_policy
+from tally_operator.settings import OperatorSettings
+from tally_operator.spec import SpecError, parse_spec
+
+BASE: dict[str, Any] = {"model": {"name": "m", "path": "/models/m"}, "engine": {"kind": "sglang"}}
+DEFAULTS = OperatorSettings()
+
+
+def spec(**changes: Any) -> dict[str, Any]:
+    raw = {**BASE, **changes}
+    if "engine" in changes:
+        raw["engine"] = {**BASE["engine"], **changes["engine"]}
+    return raw
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    pytest.param(spec(model={"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/etc"}}}), "ForbiddenVolume",
+                 id="host-path"),
+    pytest.param(spec(model={"name": "m", "path": "/m", "volume": {"secret": {"secretName": "s"}}}), "ForbiddenVolume",
+                 id="secret-volume"),
+    pytest.param(spec(model={"name": "m", "path": "/m", "volume": {"projected": {"sources": []}}}),
+                 "ForbiddenVolume", id="projected-token"),
+    pytest.param(spec(engine={"image": "evil/runtime:1"}), "ForbiddenImage", id="foreign-image"),
+    pytest.param(spec(scheduling={"tolerations": [{"operator": "Exists"}]}), "ForbiddenToleration",
+                 id="tolerate-everything"),
+    pytest.param(spec(scheduling={"priorityClassName": "system-node-critical"}), "ForbiddenPriorityClassName",
+                 id="priority-class"),
+    pytest.param(spec(scheduling={"runtimeClassName": "kata"}), "ForbiddenRuntimeClassName", id="runtime-class"),
+])
+def test_refused_by_default(raw: dict[str, Any], reason: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        check_policy(parse_spec(raw), DEFAULTS)
+    assert refused.value.reason == reason
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    pytest.param(spec(engine={"env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
+                 "ForbiddenEnv", id="secret-env"),
+    pytest.param(spec(engine={"env": [{"name": "TALLY_API_KEYS_FILE", "value": "/dev/null"}]}), "ForbiddenEnv",
+                 id="runtime-setting"),
+    pytest.param(spec(engine={"env": [{"name": "PYTHONPATH", "value": "/models"}]}), "ForbiddenEnv",
+                 id="code-loading"),
+    pytest.param(spec(engine={"args": ["--mem-frac=0.99"]}), "OwnedEngineArgument", id="abbreviated-owned"),
+    pytest.param(spec(engine={"args": ["--trust-remote"]}), "OwnedEngineArgument", id="abbreviated-flag"),
+])
+def test_refused_whatever_the_settings(raw: dict[str, Any], reason: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        parse_spec(raw)
+    assert refused.value.reason == reason
+
+
+def test_what_a_plain_service_needs_is_allowed_and_settings_widen_it() -> None:
+    plain = spec(model={"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "weights"}}},
+                 engine={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}], "args": ["--stream-interval", "2"]},
+                 scheduling={"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]})
+    check_policy(parse_spec(plain), DEFAULTS)
+    wide = OperatorSettings(allowed_images=("registry.example/tally/*",), allowed_toleration_keys=("pool",),
+                            allowed_volume_types=("hostPath",), allowed_priority_classes=("gpu-high",))
+    check_policy(parse_spec(spec(engine={"image": "registry.example/tally/runtime:2"},
+                                 scheduling={"tolerations": [{"key": "pool"}], "priorityClassName": "gpu-high"},
+                                 model={"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/w"}}})), wide)
+
+
+def test_the_keys_secret_is_mounted_read_only_and_the_runtime_told_where() -> None:
+    raw = spec(auth={"apiKeysSecret": {"name": "team-keys", "key": "keys"}, "trustTenantHeader": True})
+    dep = desired_deployment({"name": "s", "namespace": "n", "uid": "u"}, parse_spec(raw), DEFAULTS)
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {"name": "api-keys", "mountPath": "/etc/tally/auth", "readOnly": True} in container["volumeMounts"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"] == {"secretName": "team-keys", "defaultMode": 0o400,
+                                "items": [{"key": "keys", "path": "api-keys"}]}
+    args = container["args"]
+    assert args[args.index("--api-keys-file") + 1] == "/etc/tally/auth/api-keys" and "--trust-tenant-header" in args
+
+
+def test_the_network_policy_opens_metrics_to_the_operator_only() -> None:
+    assert desired_network_policy({"name": "s", "namespace": "n", "uid": "u"}, DEFAULTS) is None
+    policy = desired_network_policy({"name": "s", "namespace": "n", "uid": "u"},
+                                    OperatorSettings(network_policy=True, namespace="tally-system"))
+    assert policy is not None
+    metrics, api = policy["spec"]["ingress"]
+    assert metrics["ports"] == [{"port": 8001, "protocol": "TCP"}]
+    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "tally-system"}
+    assert api["ports"] == [{"port": 8000, "protocol": "TCP"}]
