@@ -1,7 +1,9 @@
-"""Per-request bookkeeping: the counter journal and the usage records, each against the runtime without it.
+"""Per-request bookkeeping: the counter journal, the usage records and API-key checking, each against the
+runtime without it.
 
-Three servers run at once in their own processes (relay.py's `tally` app over its model-free engine: plain,
-with `--journal-path`, with `--usage-records-file`) and take turns in every round, each round starting with
+Four servers run at once in their own processes (relay.py's `tally` app over its model-free engine: plain,
+with `--journal-path`, with `--usage-records-file`, with `--api-keys-file` of 100 keys: every request carries
+a key either way) and take turns in every round, each round starting with
 the next one; the median round is reported per server; short requests make the
 per-request write as visible as it can be. Reported: requests/s and server CPU per request, the ratios
 against the plain runtime, and the cost of one journal write and one record measured in this process.
@@ -26,7 +28,7 @@ import relay
 from tally_runtime.ledger import Journal, Totals
 from tally_runtime.records import RecordSink, UsageRecord
 
-KINDS = ("tally", "tally-journal", "tally-records")
+KINDS = ("tally", "tally-journal", "tally-records", "tally-keys")
 
 
 async def requests(port: int, pid: int, streams: int, tokens: int, total: int) -> dict[str, float]:
@@ -61,7 +63,8 @@ def write_cost(writes: int = 5000) -> float:
 def record_cost(writes: int = 5000) -> float:
     """Microseconds per usage record appended to a file."""
     record = UsageRecord(id="cmpl-0123456789abcdef0123456789abcdef", time=time.time(), model="m",
-                         endpoint="completions", tenant="team-a", outcome="ok", finish_reasons=("length",), n=1,
+                         endpoint="completions", tenant="team-a", tenant_source="key", outcome="ok",
+                         finish_reasons=("length",), n=1,
                          stream=True, prompt_tokens=12, completion_tokens=64, cached_tokens=0, reasoning_tokens=0,
                          derived=False, time_to_first_token_seconds=0.01, duration_seconds=0.5)
     with tempfile.TemporaryDirectory() as folder:
@@ -80,6 +83,10 @@ def run(streams: list[int], tokens: list[int], total: int, repeats: int) -> dict
     with tempfile.TemporaryDirectory() as folder:
         os.environ["TALLY_BENCH_JOURNAL"] = str(Path(folder) / "usage.json")
         os.environ["TALLY_BENCH_RECORDS"] = str(Path(folder) / "usage.jsonl")
+        keys = Path(folder) / "api-keys"
+        keys.write_text("".join(f"tenant-{i} sk-tenant-{i:04d}-0123456789abcdef\n" for i in range(99))
+                        + f"bench {relay.BENCH_KEY}\n")
+        os.environ["TALLY_BENCH_KEYS"] = str(keys)
         servers = {kind: relay.start_server(kind, "uvloop") for kind in KINDS}
         try:
             for c in streams:

@@ -102,13 +102,15 @@ def pydantic_app() -> Any:
     return app
 
 
-def tally_app(journal_path: str = "", records_file: str = "") -> Any:
-    """The runtime; per-request bookkeeping (journal, usage records) only where benchmarks/journal.py asks."""
+def tally_app(journal_path: str = "", records_file: str = "", api_keys_file: str = "") -> Any:
+    """The runtime; per-request bookkeeping (journal, usage records, API keys) only where benchmarks/journal.py
+    asks."""
     from tally_runtime.app import create_app
     from tally_runtime.settings import Settings
 
     return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m", journal_path=journal_path,
-                               usage_records=False, usage_records_file=records_file), FastEngine())
+                               usage_records=False, usage_records_file=records_file, api_keys_file=api_keys_file),
+                      FastEngine())
 
 
 STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop": "asyncio", "http": "h11"}}
@@ -120,17 +122,24 @@ def serve(kind: str, port: int, stack: str) -> None:
     apps = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app,
             # the runtime with its counter journal, or its usage records, on (benchmarks/journal.py)
             "tally-journal": lambda: tally_app(journal_path=os.environ["TALLY_BENCH_JOURNAL"]),
-            "tally-records": lambda: tally_app(records_file=os.environ["TALLY_BENCH_RECORDS"])}
+            "tally-records": lambda: tally_app(records_file=os.environ["TALLY_BENCH_RECORDS"]),
+            "tally-keys": lambda: tally_app(api_keys_file=os.environ["TALLY_BENCH_KEYS"])}
     app = apps[kind]()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **STACKS[stack])
 
 
 # ---- the client
 
+# Every request carries an API key, as an OpenAI client's does: servers without keys ignore it, so every
+# server gets the same bytes (benchmarks/journal.py's tally-keys checks it).
+BENCH_KEY = "sk-bench-0123456789abcdef0123"
+
+
 async def one_stream(port: int, tokens: int) -> tuple[int, list[float]]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     body = json.dumps({"prompt": "hello", "max_tokens": tokens, "stream": True, "model": "m"}).encode()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + BENCH_KEY.encode() + b"\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     await writer.drain()
     gaps: list[float] = []

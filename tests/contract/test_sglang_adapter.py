@@ -235,3 +235,13 @@ def test_a_chat_template_that_writes_the_bos_gets_no_second_one() -> None:
     assert expected[0] == tokenizer.model.bos and len(tokenizer.encode(text)) == len(expected) + 1
     assert list(engine._engine.tokenizer_manager.seen_prompts[-1]) == expected
     assert usage["prompt_tokens"] == len(expected)
+
+
+def test_a_message_cannot_forge_role_tokens_through_the_sglang_tokenizer() -> None:
+    sglang.configure(version=GENERATIONS["D"])
+    with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
+        def prompt_tokens(content: str) -> int:
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+            return int(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"])
+
+        assert prompt_tokens("Hello there<|im_start|>") - prompt_tokens("Hello there") > 1

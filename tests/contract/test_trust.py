@@ -127,3 +127,17 @@ def test_input_is_bounded_before_it_costs_anything(tmp_path: Path) -> None:
         assert forged.status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200  # and it still serves
     assert "\nERROR forged line" not in (tmp_path / "rt.log").read_text()
+
+
+def chat_prompt_tokens(url: str, content: str) -> int:
+    reply = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=1)
+    assert reply.usage is not None
+    return reply.usage.prompt_tokens
+
+
+def test_a_message_cannot_forge_role_tokens(runtime_url: str) -> None:
+    """`<|im_start|>` in a message is text (several tokens), never the template's control token (one)."""
+    plain = chat_prompt_tokens(runtime_url, "Hello there")
+    forged = chat_prompt_tokens(runtime_url, "Hello there<|im_start|>")
+    assert forged - plain > 1

@@ -216,3 +216,13 @@ def test_disconnects_bill_what_sglang_generated_so_drift_stays_zero(sglang_url: 
     assert until(lambda: idle() and metric_value(metrics(), "tally_requests_total", {"outcome": "aborted"})
                  == aborted + 6, 120)
     assert until(lambda: drift() == before, 30), f"drift moved from {before} to {drift()}"
+
+
+def test_a_message_cannot_forge_role_tokens(sglang_url: str) -> None:
+    """SGLang's Hugging Face tokenizer with split_special_tokens for message content."""
+    def prompt_tokens(content: str) -> int:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        return int(httpx.post(f"{sglang_url}/v1/chat/completions", json=body, timeout=120).json()["usage"][
+            "prompt_tokens"])
+
+    assert prompt_tokens("Hello there<|im_start|>") - prompt_tokens("Hello there") > 1

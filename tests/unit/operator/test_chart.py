@@ -24,3 +24,14 @@ def test_values_docs_schema_and_readme_are_generated_from_the_values_comments() 
     assert schema["properties"]["watchNamespaces"]["description"].startswith("Namespaces to watch")
     assert schema["properties"]["metrics"]["properties"]["port"]["default"] == 9090
 
+
+
+def test_the_crd_parses_and_holds_the_rules_a_service_author_cannot_bypass() -> None:
+    import yaml
+
+    crd = yaml.safe_load((ROOT / "crds" / "serving.tally.dev_completionservices.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    env = spec["engine"]["properties"]["env"]
+    rules = " ".join(rule["rule"] for rule in env["x-kubernetes-validations"])
+    assert "valueFrom" in rules and "TALLY_" in rules and env["maxItems"] == 64
+    assert spec["auth"]["properties"]["apiKeysSecret"]["required"] == ["name"]
