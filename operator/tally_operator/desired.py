@@ -69,6 +69,8 @@ def runtime_args(spec: Spec) -> list[str]:
     ]
     if spec.model_path:
         args += ["--model-path", spec.model_path]
+    if spec.allow_cumulative_stream:
+        args.append("--allow-cumulative-stream")
     if spec.api_keys_secret:
         args += ["--api-keys-file", c.API_KEYS_FILE]
         if spec.trust_tenant_header:

@@ -113,6 +113,11 @@ class Kube:
         return dict(result.to_dict())
 
     @_sorted_errors
+    def annotate(self, api_version: str, kind: str, name: str, namespace: str, annotations: dict[str, str]) -> None:
+        self._resource(api_version, kind).patch(body={"metadata": {"annotations": annotations}}, name=name,
+                                                namespace=namespace, content_type="application/merge-patch+json")
+
+    @_sorted_errors
     def pods(self, namespace: str, selector: str) -> list[Obj]:
         return self.list("v1", "Pod", namespace, selector)
 

@@ -44,6 +44,13 @@ class OperatorMetrics:
                                   registry=self.registry)
         self.scrape_failures = Counter(f"{PREFIX}_scrape_failures", "Pod scrapes that failed", labels,
                                        registry=self.registry)
+        self.replicas = Gauge(f"{PREFIX}_replicas", "Pods the service runs (asked for)", labels,
+                              registry=self.registry)
+        self.desired_replicas = Gauge(f"{PREFIX}_desired_replicas", "Pods autoscaling decided on", labels,
+                                      registry=self.registry)
+        self.scaling_signal = Gauge(f"{PREFIX}_autoscaling_signal",
+                                    "The autoscaling metric summed over the pods, averaged over the stable window",
+                                    labels, registry=self.registry)
 
     def serve(self, port: int, address: str) -> None:
         start_http_server(port, addr=address, registry=self.registry)
@@ -71,11 +78,18 @@ class OperatorMetrics:
             self.scrape_failures.labels(namespace, name).inc(failed)
         return folded
 
+    def scaling(self, namespace: str, name: str, replicas: int, desired: int, signal: float | None) -> None:
+        self.replicas.labels(namespace, name).set(replicas)
+        self.desired_replicas.labels(namespace, name).set(desired)
+        if signal is not None:
+            self.scaling_signal.labels(namespace, name).set(signal)
+
     def forget(self, namespace: str, name: str) -> None:
         for tenant in self.seen_tenants.pop((namespace, name), set()):
             for counter in self.tenants.values():
                 with contextlib.suppress(KeyError):
                     counter.remove(namespace, name, tenant)
-        for metric in (*self.totals.values(), self.unaccounted, self.healthy, self.pods_scraped, self.scrape_failures):
+        for metric in (*self.totals.values(), self.unaccounted, self.healthy, self.pods_scraped, self.scrape_failures,
+                       self.replicas, self.desired_replicas, self.scaling_signal):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

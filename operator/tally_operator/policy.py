@@ -18,7 +18,7 @@ from tally_operator.spec import Spec, SpecError
 
 def check_policy(spec: Spec, settings: OperatorSettings) -> None:
     if spec.model_volume:
-        kinds = sorted(set(spec.model_volume) - {"name"})
+        kinds = sorted(spec.model_volume)
         forbidden = [k for k in kinds if k not in settings.allowed_volume_types]
         if forbidden or not kinds:
             raise SpecError("ForbiddenVolume", f"spec.model.volume uses {', '.join(forbidden) or 'no source'}; "

@@ -21,12 +21,24 @@ import datetime
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kopf
 
 from tally_operator import constants as c
+from tally_operator.autoscale import (
+    Autoscaling,
+    Decision,
+    Observation,
+    Recommendation,
+    clamp,
+    decide,
+    deletion_cost,
+    load_signal,
+    scaling_status,
+    scaling_verdict,
+)
 from tally_operator.bookkeeping import Observed, Plan, plan
 from tally_operator.conditions import is_bad
 from tally_operator.desired import (
@@ -44,12 +56,19 @@ from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import post_json, scrape
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec, SpecError, parse_spec
-from tally_operator.status import invalid_verdicts, observed_fields, workload_verdicts
+from tally_operator.status import (
+    invalid_verdicts,
+    is_ready,
+    observed_fields,
+    unschedulable_message,
+    workload_verdicts,
+)
 from tally_operator.usage import Round, controller_uid, counted_uids, ledger_from_status, owned_pods, scrape_targets
 from tally_runtime.contract import FINAL_READ_PATH
 
 log = logging.getLogger("tally_operator")
 MAX_WRITES = 5  # compare-and-swap attempts per pass before kopf retries the pass
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
 Post = Callable[[Any, str, str, str], None]  # (body, type, reason, message): an Event on the resource
@@ -79,6 +98,20 @@ class ServiceMemory:
     observations: Observations = field(default_factory=Observations)
     apply_error: SpecError | None = None  # the API server's refusal, until a pass applies cleanly
     refused: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last sample was refused
+    scaling: Scaling = field(default_factory=lambda: Scaling())
+
+
+@dataclass
+class Scaling:
+    """Autoscaling's memory: the signal's recent history and recommendations, and the replicas decided.
+    A restarted operator (or a peer taking over) starts afresh: no scale-down until it has watched for a
+    whole scale-down delay."""
+
+    since: float = field(default_factory=time.monotonic)
+    history: tuple[Observation, ...] = ()
+    recommendations: tuple[Recommendation, ...] = ()
+    replicas: int | None = None  # None: not decided yet in this process (the Deployment's count holds)
+    last_scale_time: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +119,8 @@ class Scraped:
     round: Round
     urls: Mapping[str, str]  # pod uid -> the base URL it was reached at
     refused: Mapping[str, str]  # pod uid -> why its /metrics were not trusted this round
+    decision: Decision | None = None  # autoscaling's, on this round's signal
+    scaling: Scaling | None = None  # the memory to keep once the status holding the decision has landed
 
 
 async def reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
@@ -106,6 +141,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     except SpecError as error:
         await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(error), fields)))
         return
+    if spec.autoscaling is not None:  # the operator owns the count: what it decided last (spec.replicas is not it)
+        spec = replace(spec, replicas=await decided_replicas(ctx, meta, spec.autoscaling, memory.scaling))
     try:
         if apply_children:
             await asyncio.to_thread(apply_all, ctx, meta, spec)
@@ -129,10 +166,67 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
 
     async def observe(current: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
         scraped = await scrape_round(ctx, meta, pods, current) if due else None
-        return Observed(generation, verdicts, fields, scraped.round if scraped else None,
+        more_fields, more_verdicts = dict(fields), list(verdicts)
+        if scraped is not None and spec.autoscaling is not None:
+            scraped = autoscale(spec.autoscaling, spec.replicas, pods, scraped, memory.scaling)
+            assert scraped.decision is not None and scraped.scaling is not None
+            more_fields["autoscaling"] = scaling_status(spec.autoscaling, scraped.decision, spec.replicas,
+                                                        sum(map(is_ready, pods)), scraped.scaling.last_scale_time)
+            more_verdicts.append(scaling_verdict(scraped.decision))
+        return Observed(generation, more_verdicts, more_fields, scraped.round if scraped else None,
                         spec.max_mismatch_ratio), scraped
 
-    await commit(ctx, body, memory, obj, observe)
+    landed_round = await commit(ctx, body, memory, obj, observe)
+    if landed_round is not None and landed_round.decision is not None:
+        await rescale(ctx, body, meta, spec, memory, landed_round, pods)
+
+
+async def decided_replicas(ctx: Context, meta: Mapping[str, str], config: Autoscaling, scaling: Scaling) -> int:
+    if scaling.replicas is None:  # first pass in this process: continue from the Deployment's count
+        deployment = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", meta["name"], meta["namespace"])
+        running = int(((deployment or {}).get("spec") or {}).get("replicas") or config.min_replicas)
+        scaling.replicas = clamp(running, config)
+    return scaling.replicas
+
+
+def autoscale(config: Autoscaling, current: int, pods: list[dict[str, Any]], scraped: Scraped,
+              scaling: Scaling) -> Scraped:
+    """This round's decision, and the memory it leaves (kept only once the status holding it landed)."""
+    at = time.monotonic()
+    signal = load_signal(config.metric, [s.load for s in scraped.round.samples.values()])
+    history = tuple(o for o in (*scaling.history, Observation(at, signal)) if o.at > at - config.stable_window_seconds)
+    decision = decide(config, history, scaling.recommendations, current, sum(map(is_ready, pods)),
+                      bool(unschedulable_message(pods)), at, scaling.since)
+    made = (decision.recommendation,) if decision.recommendation else ()
+    recommendations = tuple(r for r in (*scaling.recommendations, *made)
+                            if r.at > at - config.scale_down_delay_seconds)
+    after = replace(scaling, history=history, recommendations=recommendations)
+    return replace(scraped, decision=decision, scaling=after)
+
+
+async def rescale(ctx: Context, body: kopf.Body, meta: Mapping[str, str], spec: Spec, memory: ServiceMemory,
+                  scraped: Scraped, pods: list[dict[str, Any]]) -> None:
+    """Carry out a decision whose status has landed: idle pods first out (deletion cost), then the count."""
+    decision, scaling = scraped.decision, scraped.scaling
+    assert decision is not None and scaling is not None and spec.autoscaling is not None
+    memory.scaling = scaling
+    ctx.metrics.scaling(meta["namespace"], meta["name"], spec.replicas, decision.replicas, decision.stable_signal)
+    if decision.replicas == spec.replicas:
+        return
+    if decision.replicas < spec.replicas:
+        costs = {uid: deletion_cost(sample.load) for uid, sample in scraped.round.samples.items()}
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            await asyncio.to_thread(ctx.kube.annotate, "v1", "Pod", pod["metadata"]["name"], meta["namespace"],
+                                    {DELETION_COST: str(costs.get(uid, 0))})
+    scaled = replace(spec, replicas=decision.replicas)
+    await asyncio.to_thread(ctx.kube.apply, desired_deployment(dict(meta), scaled, ctx.settings))
+    memory.scaling = replace(scaling, replicas=decision.replicas, last_scale_time=now())
+    up = decision.replicas > spec.replicas
+    log.info("Scaled %s/%s from %d to %d pod(s): %s", meta["namespace"], meta["name"], spec.replicas,
+             decision.replicas, decision.message)
+    ctx.post_event(body, "Normal", "ScaledUp" if up else "ScaledDown",
+                   f"{spec.replicas} -> {decision.replicas} pod(s) ({decision.reason}): {decision.message}")
 
 
 Observe = Callable[[Mapping[str, Any]], Awaitable[tuple[Observed, "Scraped | None"]]]
@@ -187,16 +281,17 @@ async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[st
 
 
 async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapping[str, Any],
-                 observe: Observe) -> None:
+                 observe: Observe) -> Scraped | None:
     """Observe against `obj`'s status (scraping after it was read), plan, and write by compare-and-swap; a
-    refused write reads the object again and observes again. Then what may only follow a landed write."""
+    refused write reads the object again and observes again. Then what may only follow a landed write.
+    Returns the round whose status landed (None: nothing was scraped, or the object is gone)."""
     meta = obj["metadata"]
     for _ in range(MAX_WRITES):
         observed, scraped = await observe(obj)
         planned = plan(obj.get("status") or {}, memory.observations, observed, now())
         if not planned.changed:
             memory.observations = planned.observations
-            return
+            return scraped
         try:
             await asyncio.to_thread(ctx.kube.patch_status, c.API_VERSION, c.KIND, meta["name"], meta["namespace"],
                                     planned.status, str(meta["resourceVersion"]))
@@ -205,11 +300,11 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
                 raise
             fresh = await asyncio.to_thread(ctx.kube.get, c.API_VERSION, c.KIND, meta["name"], meta["namespace"])
             if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
-                return  # deleted (or deleted and created again) meanwhile: nothing of ours to write
+                return None  # deleted (or deleted and created again) meanwhile: nothing of ours to write
             obj, meta = fresh, fresh["metadata"]
             continue
         await landed(ctx, body, memory, planned, scraped)
-        return
+        return scraped
     raise KubeError(409, f"the status changed under {MAX_WRITES} writes in a row")
 
 

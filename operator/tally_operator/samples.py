@@ -53,6 +53,7 @@ class PodSample:
     all_requests: float = 0.0  # requests of every outcome, refused ones included (the final-read handshake)
     pod_uid: str = ""  # the pod the runtime says it is (downward API)
     tenants_capped: int = 0  # tenant label values beyond MAX_TENANTS_PER_POD, added into `other`
+    load: Mapping[str, float] = field(default_factory=dict)  # autoscaling signals: gauge name -> value
 
     def acknowledgement(self) -> dict[str, float]:
         """The final counters as the runtime's final-read handshake expects them back (drain.py)."""
@@ -72,13 +73,17 @@ _COUNTER_NAMES = {
 
 
 _FINAL_GAUGES = {contract.DRAINING, contract.INFLIGHT_GENERATIONS, contract.QUEUED_REQUESTS}
+# What autoscaling reads (autoscale.py), besides the two gauges above: the slots, SGLang's queue and KV cache
+_LOAD_GAUGES = {contract.INFLIGHT_GENERATIONS, contract.QUEUED_REQUESTS, contract.GENERATION_SLOTS,
+                *contract.SGLANG_QUEUE_GAUGES, contract.SGLANG_KV_CACHE_USAGE}
 _TENANT_NAMES = {
     contract.sample_name(contract.TENANT_REQUESTS): "requests",
     contract.sample_name(contract.TENANT_PROMPT_TOKENS): "prompt_tokens",
     contract.sample_name(contract.TENANT_COMPLETION_TOKENS): "completion_tokens",
     contract.sample_name(contract.TENANT_CACHED_TOKENS): "cached_tokens",
 }
-_READ = {*_COUNTER_NAMES, *_FINAL_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO}
+_READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO,
+         contract.DRAINING}
 
 
 class MetricsParseError(ValueError):
@@ -118,7 +123,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                     started = sample.value
                 elif sample.name == contract.RUNTIME_INFO:
                     pod_uid = sample.labels.get("pod_uid", "")
-                elif sample.name in _FINAL_GAUGES:
+                elif sample.name in _FINAL_GAUGES or sample.name in _LOAD_GAUGES:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
                 elif sample.name in _TENANT_NAMES:
                     tenant = tenants.setdefault(sample.labels.get("tenant", ""), {})
@@ -135,7 +140,9 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
         and not gauges.get(contract.QUEUED_REQUESTS)
     bounded, capped = bounded_tenants({t: Counters(**counts) for t, counts in tenants.items()}, MAX_TENANTS_PER_POD)
-    return PodSample(Counters(**values), mode, drift, started, final, bounded, all_requests, pod_uid or "", capped)
+    load = {name: gauges[name] for name in _LOAD_GAUGES if name in gauges}
+    return PodSample(Counters(**values), mode, drift, started, final, bounded, all_requests, pod_uid or "", capped,
+                     load)
 
 
 def _check(name: str, value: float) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tally_operator.autoscale import KV_CACHE, METRICS, SGLANG_QUEUE, Autoscaling
 from tally_runtime.contract import OWNED_ENGINE_ARGS
 
 
@@ -32,6 +33,7 @@ class Spec:
     memory_fraction: float = 0.0
     max_running_requests: int = 0
     max_concurrent_generations: int = 256
+    allow_cumulative_stream: bool = False
     engine_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
     replicas: int = 1
@@ -49,6 +51,7 @@ class Spec:
     drain_seconds: int = 300
     scrape_interval_seconds: int = 15
     max_mismatch_ratio: float = 0.0
+    autoscaling: Autoscaling | None = None  # None: spec.replicas (or an external HPA/KEDA on the scale subresource)
     api_keys_secret: str = ""  # a Secret of the service's namespace holding its API keys (auth.py's format)
     api_keys_key: str = "api-keys"  # the key of that Secret
     trust_tenant_header: bool = False
@@ -76,6 +79,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         memory_fraction=float(engine.get("memoryFraction", 0.0)),
         max_running_requests=int(engine.get("maxRunningRequests", 0)),
         max_concurrent_generations=int(engine.get("maxConcurrentGenerations", 256)),
+        allow_cumulative_stream=bool(engine.get("allowCumulativeStream", False)),
         engine_args=tuple(str(a) for a in engine.get("args") or ()),
         env=tuple(engine.get("env") or ()),
         replicas=int(raw.get("replicas", 1)),
@@ -93,6 +97,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         drain_seconds=int(raw.get("drainSeconds", 300)),
         scrape_interval_seconds=int(health.get("scrapeIntervalSeconds", 15)),
         max_mismatch_ratio=float(health.get("maxMismatchRatio", 0.0)),
+        autoscaling=parse_autoscaling(raw.get("autoscaling")),
         api_keys_secret=str(keys.get("name") or ""),
         api_keys_key=str(keys.get("key") or "api-keys"),
         trust_tenant_header=bool(auth.get("trustTenantHeader", False)),
@@ -116,7 +121,33 @@ def owned_flag(arg: str) -> str | None:
     return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
 
 
+def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
+    if not raw or not raw.get("enabled", True):
+        return None
+    scaling = Autoscaling(
+        min_replicas=int(raw.get("minReplicas", 1)), max_replicas=int(raw.get("maxReplicas", 1)),
+        metric=str(raw.get("metric", "queuedRequests")), target=float(raw.get("target", 4)),
+        stable_window_seconds=float(raw.get("stableWindowSeconds", 300)),
+        panic_window_seconds=float(raw.get("panicWindowSeconds", 60)),
+        scale_down_delay_seconds=float(raw.get("scaleDownDelaySeconds", 600)),
+        max_scale_up_rate=float(raw.get("maxScaleUpRate", 2.0)))
+    if scaling.min_replicas < 1:
+        raise SpecError("ScaleToZeroUnsupported", "spec.autoscaling.minReplicas 0 (scale to zero) is not supported: "
+                                                  "it needs something that holds requests while the first pod starts")
+    if scaling.max_replicas < scaling.min_replicas:
+        raise SpecError("InvalidSpec", "spec.autoscaling.maxReplicas must be at least minReplicas")
+    if scaling.metric not in METRICS or scaling.target <= 0:
+        raise SpecError("InvalidSpec", f"spec.autoscaling needs a metric of {', '.join(METRICS)} and a positive target")
+    if scaling.panic_window_seconds > scaling.stable_window_seconds or scaling.max_scale_up_rate <= 1:
+        raise SpecError("InvalidSpec", "spec.autoscaling: the panic window must not exceed the stable window, and "
+                                       "maxScaleUpRate must be above 1")
+    return scaling
+
+
 def check(spec: Spec) -> None:
+    if spec.autoscaling and spec.autoscaling.metric in {SGLANG_QUEUE, KV_CACHE} and spec.engine_kind != "sglang":
+        raise SpecError("InvalidSpec", f"spec.autoscaling.metric {spec.autoscaling.metric} is SGLang's own: the "
+                                       f"{spec.engine_kind} engine does not report it")
     owned = sorted({owned for a in spec.engine_args if (owned := owned_flag(a))})
     if owned:
         raise SpecError("OwnedEngineArgument",

@@ -16,6 +16,7 @@ USAGE_MISMATCHES = f"{PREFIX}_usage_mismatches"  # counter: engine count != ids 
 DERIVED_USAGE_REQUESTS = f"{PREFIX}_derived_usage_requests"  # counter: engine reported no usage
 STREAM_MODE = f"{PREFIX}_stream_mode"  # gauge{mode}: 1 for the mode in force
 INFLIGHT_GENERATIONS = f"{PREFIX}_inflight_generations"  # gauge
+GENERATION_SLOTS = f"{PREFIX}_generation_slots"  # gauge: --max-concurrent-generations (busy = inflight / slots)
 QUEUED_REQUESTS = f"{PREFIX}_queued_requests"  # gauge: requests waiting for admission
 QUEUE_TIME = f"{PREFIX}_queue_time_seconds"  # histogram: time admitted requests waited
 TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"  # histogram
@@ -46,6 +47,10 @@ TENANT_SOURCES = f"{PREFIX}_tenant_sources"  # counter{source}: requests by what
 # SGLang's own counters (its multiprocess collector is served beside ours)
 SGLANG_PROMPT_TOKENS = "sglang:prompt_tokens_total"
 SGLANG_GENERATION_TOKENS = "sglang:generation_tokens_total"
+# Load gauges autoscaling may read (SGLANG_CONTRACT.md §9, 0.5.23's names; a renamed one would read as absent,
+# so the queue is read under every name a generation used)
+SGLANG_QUEUE_GAUGES = ("sglang:num_queue_reqs",)
+SGLANG_KV_CACHE_USAGE = "sglang:token_usage"  # fraction of the KV cache in use
 
 # Label values
 OUTCOME_OK = "ok"  # finished normally (stop or length)

@@ -48,6 +48,7 @@ class Metrics:
                                "Requests whose usage was counted by us: the engine reported none", registry=r)
         self.stream_mode = Gauge(contract.STREAM_MODE, "1 for the engine's stream mode in force", ["mode"], registry=r)
         self.inflight = Gauge(contract.INFLIGHT_GENERATIONS, "Generations running in the engine", registry=r)
+        self.slots = Gauge(contract.GENERATION_SLOTS, "Generations that may run at once", registry=r)
         self.queued = Gauge(contract.QUEUED_REQUESTS, "Requests waiting for admission", registry=r)
         self.queue_time = Histogram(contract.QUEUE_TIME, "Time admitted requests waited in the queue",
                                     buckets=LATENCY_BUCKETS, registry=r)

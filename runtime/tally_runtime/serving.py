@@ -65,6 +65,7 @@ class Server:
         self.metrics = metrics
         self.prepare = Preparer(engine, info, model, limit, force_include_usage)
         self.admission = Admission(limit, max_queued, max_queue_seconds)
+        metrics.slots.set(limit)
         self.draining = False
         self.stopping = False  # past the drain's deadline: queued requests are refused when their turn comes
         self.runs: set[Run] = set()  # admitted and not yet closed

@@ -50,6 +50,11 @@ def unbound(kubectl: Kubectl, operator: ChartOperator) -> Iterator[None]:
     """The admission policy's binding removed (as on a cluster without it), restored afterwards."""
     binding = kubectl.json("get", "validatingadmissionpolicybinding", POLICY)
     kubectl("delete", "validatingadmissionpolicybinding", POLICY)
+    probe = json.dumps({**forbidden({"hostPath": {"path": "/etc"}}),
+                        "metadata": {"name": "probe", "namespace": "default"}})
+    eventually(lambda: subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", "-"], input=probe,
+                                      env=kubectl.env, capture_output=True, timeout=60).returncode == 0, 30,
+               what="the API server no longer enforcing the unbound policy")
     yield
     for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
         binding["metadata"].pop(key, None)

@@ -58,8 +58,8 @@ def legacy_sglang(replicas: int) -> dict[str, Any]:
     manifest["spec"]["model"]["path"] = "/models/fake"
     manifest["spec"]["engine"] = {
         "kind": "sglang", "image": f"tally-runtime-fakes:{VERSION}", "contextLength": 2048,
-        "env": [{"name": "FAKE_SGLANG_VERSION", "value": "0.5.9"}, {"name": "FAKE_SGLANG_IGNORE_SWITCH", "value": "1"},
-                {"name": "TALLY_ALLOW_CUMULATIVE_STREAM", "value": "true"}]}
+        "allowCumulativeStream": True,
+        "env": [{"name": "FAKE_SGLANG_VERSION", "value": "0.5.9"}, {"name": "FAKE_SGLANG_IGNORE_SWITCH", "value": "1"}]}
     return manifest
 
 

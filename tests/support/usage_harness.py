@@ -29,8 +29,9 @@ def usage_condition(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
 
 
 def live_pods(kube: Kubectl) -> list[dict[str, Any]]:
+    """Pods that run: with an IP, not being deleted, not terminal (an evicted pod keeps its IP)."""
     return [p for p in kube.json("get", "pods")["items"] if p["status"].get("podIP")
-            and not p["metadata"].get("deletionTimestamp")]
+            and not p["metadata"].get("deletionTimestamp") and p["status"].get("phase") not in {"Failed", "Succeeded"}]
 
 
 def serving_pods(kube: Kubectl, count: int, deadline: float = 180) -> list[dict[str, Any]]:

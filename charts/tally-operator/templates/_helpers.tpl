@@ -65,7 +65,7 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [get, list, watch, patch]  # patch: the deletion cost that sends idle pods first on a scale-down
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

@@ -35,3 +35,24 @@ def test_the_crd_parses_and_holds_the_rules_a_service_author_cannot_bypass() -> 
     rules = " ".join(rule["rule"] for rule in env["x-kubernetes-validations"])
     assert "valueFrom" in rules and "TALLY_" in rules and env["maxItems"] == 64
     assert spec["auth"]["properties"]["apiKeysSecret"]["required"] == ["name"]
+
+
+def test_every_property_of_the_crd_declares_its_type() -> None:
+    """A description with a comma in a YAML flow map silently becomes another property: catch it here."""
+    import yaml
+
+    crd = yaml.safe_load((ROOT / "crds" / "serving.tally.dev_completionservices.yaml").read_text())
+    untyped: list[str] = []
+
+    def walk(node: dict[str, object], path: str) -> None:
+        for name, child in (node.get("properties") or {}).items():  # type: ignore[attr-defined]
+            if not isinstance(child, dict) or not ({"type", "x-kubernetes-preserve-unknown-fields"} & set(child)):
+                untyped.append(f"{path}.{name}")
+            elif isinstance(child, dict):
+                walk(child, f"{path}.{name}")
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                walk(node[key], f"{path}[]")  # type: ignore[arg-type]
+
+    walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
+    assert untyped == []
