@@ -57,7 +57,7 @@ def grace_seconds(spec: Spec) -> int:
     return spec.drain_seconds + final_read_seconds(spec) + 15
 
 
-def runtime_args(spec: Spec) -> list[str]:
+def runtime_args(spec: Spec, meta: Mapping[str, Any] | None = None) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
         "serve", "--host", "::", "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
@@ -71,6 +71,10 @@ def runtime_args(spec: Spec) -> list[str]:
         args += ["--model-path", spec.model_path]
     if spec.allow_cumulative_stream:
         args.append("--allow-cumulative-stream")
+    if spec.records_format == "cloudevents" and meta is not None:
+        # $(POD_NAME) is the pod's own name (downward API), expanded by the kubelet
+        args += ["--usage-records-format", "cloudevents",
+                 f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]
     if spec.api_keys_secret:
         args += ["--api-keys-file", c.API_KEYS_FILE]
         if spec.trust_tenant_header:
@@ -92,7 +96,7 @@ def _probe(period: int, failures: int) -> Obj:
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
-def _container(spec: Spec, settings: OperatorSettings) -> Obj:
+def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj:
     limits: Obj = {"cpu": spec.cpu, "memory": spec.memory}
     if spec.gpus:
         limits[spec.gpu_resource_name] = str(spec.gpus)
@@ -105,13 +109,14 @@ def _container(spec: Spec, settings: OperatorSettings) -> Obj:
     return {
         "name": c.CONTAINER_NAME,
         "image": spec.image or settings.runtime_image,
-        "args": runtime_args(spec),
+        "args": runtime_args(spec, meta),
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
                   {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
         # The pod's uid goes on the runtime's /metrics, so the operator can tell it reached this very pod
         # (a pod IP is reused once a pod is gone). The root filesystem is read-only: caches go to /tmp.
         "env": [{"name": "TALLY_LOG_LEVEL", "value": "info"},
                 {"name": "TALLY_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
                 *[dict(e) for e in spec.env]],
         "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory}, "limits": limits},
@@ -132,7 +137,7 @@ def _tolerations(spec: Spec) -> list[Obj]:
     return extra
 
 
-def _pod_spec(spec: Spec, settings: OperatorSettings) -> Obj:
+def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj:
     volumes: list[Obj] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory}},
         {"name": "tmp", "emptyDir": {}},
@@ -144,7 +149,7 @@ def _pod_spec(spec: Spec, settings: OperatorSettings) -> Obj:
         volumes.append({"name": "api-keys", "secret": {"secretName": spec.api_keys_secret, "defaultMode": 0o400,
                                                        "items": [{"key": spec.api_keys_key, "path": "api-keys"}]}})
     pod: Obj = {
-        "containers": [_container(spec, settings)],
+        "containers": [_container(meta, spec, settings)],
         "volumes": volumes,
         "tolerations": _tolerations(spec),
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "fsGroup": c.RUNTIME_UID,
@@ -182,7 +187,7 @@ def desired_deployment(meta: Mapping[str, Any], spec: Spec, settings: OperatorSe
                                     "prometheus.io/port": str(c.RUNTIME_METRICS_PORT),
                                     "prometheus.io/path": "/metrics"},
                 },
-                "spec": _pod_spec(spec, settings),
+                "spec": _pod_spec(meta, spec, settings),
             },
         },
     }

@@ -34,6 +34,7 @@ class Spec:
     max_running_requests: int = 0
     max_concurrent_generations: int = 256
     allow_cumulative_stream: bool = False
+    records_format: str = "tally"  # the usage records on the pods' stdout: tally | cloudevents
     engine_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
     replicas: int = 1
@@ -80,6 +81,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         max_running_requests=int(engine.get("maxRunningRequests", 0)),
         max_concurrent_generations=int(engine.get("maxConcurrentGenerations", 256)),
         allow_cumulative_stream=bool(engine.get("allowCumulativeStream", False)),
+        records_format=str((raw.get("usageRecords") or {}).get("format", "tally")),
         engine_args=tuple(str(a) for a in engine.get("args") or ()),
         env=tuple(engine.get("env") or ()),
         replicas=int(raw.get("replicas", 1)),

@@ -7,6 +7,7 @@ the API port only; /health answers on both."""
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -45,7 +46,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         resumed = journal.load() if journal is not None else None
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
                            totals=resumed or Totals(), max_tenants=settings.max_tenants, pod_uid=settings.pod_uid)
-        records = RecordSink(settings.usage_records, settings.usage_records_file) \
+        records = RecordSink(settings.usage_records, settings.usage_records_file, cloudevents_source(settings)) \
             if settings.usage_records or settings.usage_records_file else None
         if resumed is not None:
             log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
@@ -106,6 +107,13 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         return error_response(ApiError(500, "Internal server error"))
 
     return app
+
+
+def cloudevents_source(settings: Settings) -> str:
+    """The records' CloudEvents source when they are written as CloudEvents; empty for plain records."""
+    if settings.usage_records_format != "cloudevents":
+        return ""
+    return settings.usage_source or f"tally-runtime/{socket.gethostname()}"
 
 
 def _no_exit() -> None:

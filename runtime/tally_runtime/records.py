@@ -20,6 +20,8 @@ import orjson
 log = logging.getLogger("tally_runtime.records")
 
 SCHEMA = "tally.usage.v1"
+CLOUDEVENT_TYPE = "dev.tally.usage.v1"
+FORMATS = ("tally", "cloudevents")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,24 +44,38 @@ class UsageRecord:
     time_to_first_token_seconds: float | None
     duration_seconds: float
 
-    def to_line(self) -> bytes:
+    def body(self) -> dict[str, object]:
         body = {"schema": SCHEMA, **{name: getattr(self, name) for name in self.__slots__}}
         body["time"] = datetime.datetime.fromtimestamp(self.time, datetime.UTC).isoformat(timespec="milliseconds")
-        return orjson.dumps(body) + b"\n"
+        return body
+
+    def to_line(self) -> bytes:
+        return orjson.dumps(self.body()) + b"\n"
+
+    def to_cloudevent(self, source: str) -> bytes:
+        """The record as a CloudEvent (structured JSON, spec 1.0): what OpenMeter's ingest and its Kubernetes
+        collector take. `id` is the response id, so a delivery retried downstream is deduplicated; the
+        tenant is the `subject` (the customer a meter groups by); `data` is the plain record."""
+        body = self.body()
+        event = {"specversion": "1.0", "id": self.id, "source": source, "type": CLOUDEVENT_TYPE,
+                 "subject": self.tenant, "time": body["time"], "datacontenttype": "application/json", "data": body}
+        return orjson.dumps(event) + b"\n"
 
 
 class RecordSink:
-    """Where records go: standard output (one write per record, so lines never interleave) and a file."""
+    """Where records go: standard output (one write per record, so lines never interleave) and a file, as
+    plain `tally.usage.v1` lines or as CloudEvents from `source`."""
 
-    def __init__(self, stdout: bool, path: str = "") -> None:
+    def __init__(self, stdout: bool, path: str = "", cloudevents_source: str = "") -> None:
         self.stdout = stdout
+        self.cloudevents_source = cloudevents_source
         # 0600, as the journal: the records name every tenant and what it used
         self.file = os.fdopen(os.open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab",
                               buffering=0) if path else None
         self.failing = False
 
     def write(self, record: UsageRecord) -> None:
-        line = record.to_line()
+        line = record.to_cloudevent(self.cloudevents_source) if self.cloudevents_source else record.to_line()
         try:
             if self.stdout:
                 os.write(1, line)

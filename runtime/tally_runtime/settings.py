@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from tally_runtime.engine.base import EngineConfig
+from tally_runtime.records import FORMATS
 
 ENGINES = ("cpu", "sglang")
 
@@ -33,6 +34,8 @@ class Settings:
     journal_path: str = ""  # empty: no journal
     usage_records: bool = True  # one JSON line per request on stdout
     usage_records_file: str = ""
+    usage_records_format: str = "tally"  # tally | cloudevents
+    usage_source: str = ""  # the CloudEvents source; empty: tally-runtime/<host name>
     tenant_header: str = "X-Tally-Tenant"
     api_keys_file: str = ""  # empty: no keys (the tenant header or `user` names the tenant)
     trust_tenant_header: bool = False
@@ -82,6 +85,10 @@ _HELP: dict[str, str] = {
     "counters (it posts them back to /internal/final-read); 0 exits at once",
     "usage_records": "write one JSON usage record per request to standard output (logs go to standard error)",
     "usage_records_file": "also append the usage records to this file",
+    "usage_records_format": "'tally' (plain tally.usage.v1 JSON lines) or 'cloudevents' (each record a CloudEvent, "
+    "type dev.tally.usage.v1, id the response id, subject the tenant, data the record: what OpenMeter ingests)",
+    "usage_source": "the CloudEvents source of the records (the operator sets /namespaces/<ns>/completionservices/"
+    "<name>/pods/<pod>); empty: tally-runtime/<host name>",
     "tenant_header": "request header that names the consumer (set by your gateway); it wins over the OpenAI "
     "'user' field; empty: only 'user'. With --api-keys-file it counts only with --trust-tenant-header",
     "api_keys_file": "file of API keys, a '<tenant> <key>' line each (a mounted Secret; re-read when it changes): "
@@ -156,6 +163,8 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
 
 def validate(settings: Settings) -> str:
+    if settings.usage_records_format not in FORMATS:
+        return f"--usage-records-format must be one of {', '.join(FORMATS)}, not {settings.usage_records_format!r}"
     if settings.engine not in ENGINES:
         return f"--engine must be one of {', '.join(ENGINES)}, not {settings.engine!r}"
     if not 0 < settings.port < 65536:

@@ -115,3 +115,30 @@ def test_every_request_has_one_record_that_matches_its_client_and_metrics(tmp_pa
     # standard output carries the same records (logs go to standard error)
     stdout_lines = [line for line in (tmp_path / "rt.log").read_text().splitlines() if line.startswith('{"schema"')]
     assert sorted(json.loads(line)["id"] for line in stdout_lines) == sorted(r["id"] for r in records)
+
+
+def test_records_as_cloudevents_are_what_a_metering_system_ingests(tmp_path: Path) -> None:
+    """Each record a CloudEvent (read back with the CloudEvents SDK, which validates it): the response id as
+    `id` (a retried delivery is deduplicated), the pod as `source`, the tenant as `subject`, the record as
+    `data`; their sums are the counters."""
+    from cloudevents.core.formats.json import JSONFormat
+
+    records_file = tmp_path / "events.jsonl"
+    source = "/namespaces/team-a/completionservices/smollm/pods/smollm-0"
+    with runtime_process(tmp_path / "rt.log", "--usage-records-file", str(records_file), "--usage-records-format",
+                         "cloudevents", "--usage-source", source) as (_, url):
+        sent = [streamed(url, "team-a", "Story:"), plain_with_user(url, "user-7", "Hi"), refused(url, "team-a")]
+        metrics = httpx.get(f"{url}/metrics").text
+    events = [JSONFormat().read(None, line) for line in records_file.read_bytes().splitlines()]
+    assert len(events) == len(sent) and len({e.get_id() for e in events}) == len(events)
+    for event in events:
+        assert (event.get_specversion(), event.get_type(), event.get_source()) == ("1.0", "dev.tally.usage.v1", source)
+        data = event.get_data()
+        assert isinstance(data, dict) and data["schema"] == "tally.usage.v1"
+        assert event.get_id() == data["id"] and event.get_subject() == data["tenant"]
+    by_id = {e.get_id(): e.get_data() for e in events}
+    for expected in sent[:2]:
+        record = by_id[expected["id"]]
+        assert (record["tenant"], record["completion_tokens"]) == (expected["tenant"], expected["completion"])
+    assert sum(e.get_data()["completion_tokens"] for e in events) == \
+        metric_value(metrics, "tally_completion_tokens_total")  # type: ignore[index]

@@ -52,13 +52,16 @@ def unbound(kubectl: Kubectl, operator: ChartOperator) -> Iterator[None]:
     kubectl("delete", "validatingadmissionpolicybinding", POLICY)
     probe = json.dumps({**forbidden({"hostPath": {"path": "/etc"}}),
                         "metadata": {"name": "probe", "namespace": "default"}})
-    eventually(lambda: subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", "-"], input=probe,
-                                      env=kubectl.env, capture_output=True, timeout=60).returncode == 0, 30,
-               what="the API server no longer enforcing the unbound policy")
-    yield
-    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
-        binding["metadata"].pop(key, None)
-    kubectl.apply(binding)
+    try:
+        eventually(lambda: subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", "-"], input=probe,
+                                          text=True, env=kubectl.env, capture_output=True,
+                                          timeout=60).returncode == 0, 30,
+                   what="the API server no longer enforcing the unbound policy")
+        yield
+    finally:
+        for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+            binding["metadata"].pop(key, None)
+        kubectl.apply(binding)
 
 
 def test_the_api_server_refuses_a_completion_service_that_is_more_than_a_service(
