@@ -19,6 +19,8 @@ KWOK_VERSION=v0.8.0
 HELM_VERSION=v4.3.2
 CONTAINERD_VERSION=v2.4.2
 COREDNS_VERSION=v1.14.7
+PROMETHEUS_MODULE=v0.316.0  # Prometheus 3.16.0 (the module's v0.3XX.Y is Prometheus 3.XX.Y)
+PROMETHEUS_VERSION=3.16.0
 
 CACHE=${TALLY_CACHE:-$HOME/.cache/tally}
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-modcacherw
@@ -106,12 +108,22 @@ build_coredns() { # the cluster's DNS (hack/node.sh runs it on the node)
   GOBIN=$OUT go install -trimpath -ldflags "-s -w" "github.com/coredns/coredns@$COREDNS_VERSION"
 }
 
+build_prometheus() { # the end-to-end tests' monitoring: only Kubernetes service discovery compiled in
+  local c
+  for c in prometheus promtool; do
+    GOBIN=$OUT go install -trimpath -tags remove_all_sd,enable_kubernetes_sd \
+      -ldflags "-s -w -X github.com/prometheus/common/version.Version=$PROMETHEUS_VERSION" \
+      "github.com/prometheus/prometheus/cmd/$c@$PROMETHEUS_MODULE"
+  done
+}
+
 K8S_DIR=$BIN/kube-$K8S_VERSION-$(key kube "$HACK/kube/go.sum")
 ETCD_DIR=$BIN/etcd-$ETCD_VERSION-$(key etcd "$HACK/etcd/go.sum")
 KWOK_DIR=$BIN/kwok-$KWOK_VERSION-$(key kwok)
 HELM_DIR=$BIN/helm-$HELM_VERSION-$(key helm)
 CTRD_DIR=$BIN/containerd-$CONTAINERD_VERSION-$(key containerd)
 DNS_DIR=$BIN/coredns-$COREDNS_VERSION-$(key coredns)
+PROM_DIR=$BIN/prometheus-$PROMETHEUS_VERSION-$(key prometheus)
 
 exec 9>"$CACHE/.build.lock"
 flock 9
@@ -122,16 +134,17 @@ fresh "$KWOK_DIR" kwok "${KWOK_VERSION#v}" || build_into "$KWOK_DIR" build_kwok
 fresh "$HELM_DIR" helm "$HELM_VERSION" version || build_into "$HELM_DIR" build_helm
 fresh "$CTRD_DIR" containerd "$CONTAINERD_VERSION" || build_into "$CTRD_DIR" build_containerd
 fresh "$DNS_DIR" coredns "${COREDNS_VERSION#v}" -version || build_into "$DNS_DIR" build_coredns
+fresh "$PROM_DIR" prometheus "$PROMETHEUS_VERSION" || build_into "$PROM_DIR" build_prometheus
 
 # One directory of symlinks so callers need a single PATH entry.
 tmp=$(mktemp -d "$BIN/.tmp.XXXXXX")
-for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR" "$CTRD_DIR" "$DNS_DIR"; do
+for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR" "$CTRD_DIR" "$DNS_DIR" "$PROM_DIR"; do
   for f in "$d"/*; do ln -s "$f" "$tmp/$(basename "$f")"; done
 done
 rm -rf "$LINK"; mv -T "$tmp" "$LINK"
 
 # Keep only the newest two builds per component.
-for c in kube etcd kwok helm containerd coredns; do
+for c in kube etcd kwok helm containerd coredns prometheus; do
   ls -dt "$BIN/$c"-* 2>/dev/null | tail -n +3 | xargs -r rm -rf
 done
 echo "$LINK"

@@ -65,7 +65,7 @@ class Recommendation:
 @dataclass(frozen=True, slots=True)
 class Decision:
     replicas: int
-    reason: str  # CamelCase: Steady, ScaleUp, Panic, ScaleDown, PodsStarting, CapacityUnavailable, AtMax, NoSignal
+    reason: str  # Steady, ScaleUp, Panic, ScaleDown, PodsStarting, CapacityUnavailable, AtMax, Bounds, NoSignal
     message: str
     stable_signal: float | None = None
     panic_signal: float | None = None
@@ -82,6 +82,9 @@ def decide(config: Autoscaling, history: Sequence[Observation], recommendations:
     """The replicas to run now. `current` is the replicas asked for so far (pods starting included),
     `ready` those serving; `recommendations` the earlier ones within the delay; `since` when this memory
     began (no scale-down before it covers the whole delay: a restarted operator is not that sure)."""
+    if clamp(current, config) != current:  # the bounds moved (a spec change): follow them at once
+        return Decision(clamp(current, config), "Bounds", f"minReplicas {config.min_replicas}, maxReplicas "
+                                                          f"{config.max_replicas}: {clamp(current, config)} pod(s)")
     stable = average(history, now, config.stable_window_seconds)
     panic = average(history, now, config.panic_window_seconds)
     if stable is None or panic is None:

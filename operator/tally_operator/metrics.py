@@ -46,6 +46,10 @@ class OperatorMetrics:
                                        registry=self.registry)
         self.replicas = Gauge(f"{PREFIX}_replicas", "Pods the service runs (asked for)", labels,
                               registry=self.registry)
+        self.ready_replicas = Gauge(f"{PREFIX}_ready_replicas", "Pods ready to serve", labels, registry=self.registry)
+        self.last_scrape = Gauge(f"{PREFIX}_last_scrape_timestamp_seconds",
+                                 "When the last scrape round of the service's pods was booked (unix seconds)", labels,
+                                 registry=self.registry)
         self.desired_replicas = Gauge(f"{PREFIX}_desired_replicas", "Pods autoscaling decided on", labels,
                                       registry=self.registry)
         self.scaling_signal = Gauge(f"{PREFIX}_autoscaling_signal",
@@ -70,16 +74,18 @@ class OperatorMetrics:
             seen.add(label)
             for field, counter in self.tenants.items():
                 counter.labels(namespace, name, label).inc(getattr(more, field))
-        if unaccounted:
-            self.unaccounted.labels(namespace, name).inc(unaccounted)
+        self.unaccounted.labels(namespace, name).inc(unaccounted)  # at 0 from the start: increase() sees the first
         self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
+        self.last_scrape.labels(namespace, name).set_to_current_time()
         self.pods_scraped.labels(namespace, name).set(scraped)
-        if failed:
-            self.scrape_failures.labels(namespace, name).inc(failed)
+        self.scrape_failures.labels(namespace, name).inc(failed)
         return folded
 
-    def scaling(self, namespace: str, name: str, replicas: int, desired: int, signal: float | None) -> None:
+    def workload(self, namespace: str, name: str, replicas: int, ready: int) -> None:
         self.replicas.labels(namespace, name).set(replicas)
+        self.ready_replicas.labels(namespace, name).set(ready)
+
+    def scaling(self, namespace: str, name: str, replicas: int, desired: int, signal: float | None) -> None:
         self.desired_replicas.labels(namespace, name).set(desired)
         if signal is not None:
             self.scaling_signal.labels(namespace, name).set(signal)
@@ -90,6 +96,7 @@ class OperatorMetrics:
                 with contextlib.suppress(KeyError):
                     counter.remove(namespace, name, tenant)
         for metric in (*self.totals.values(), self.unaccounted, self.healthy, self.pods_scraped, self.scrape_failures,
-                       self.replicas, self.desired_replicas, self.scaling_signal):
+                       self.replicas, self.ready_replicas, self.last_scrape, self.desired_replicas,
+                       self.scaling_signal):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

@@ -161,6 +161,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         await commit(ctx, body, memory, obj, fixed(observed))
         return
     fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
+    ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
     verdicts = workload_verdicts(spec, deployment, pods)
     due = scrape_due(memory, spec)
 
@@ -185,8 +186,8 @@ async def decided_replicas(ctx: Context, meta: Mapping[str, str], config: Autosc
     if scaling.replicas is None:  # first pass in this process: continue from the Deployment's count
         deployment = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", meta["name"], meta["namespace"])
         running = int(((deployment or {}).get("spec") or {}).get("replicas") or config.min_replicas)
-        scaling.replicas = clamp(running, config)
-    return scaling.replicas
+        scaling.replicas = running
+    return clamp(scaling.replicas, config)  # bounds lowered or raised in the spec apply at once
 
 
 def autoscale(config: Autoscaling, current: int, pods: list[dict[str, Any]], scraped: Scraped,

@@ -39,6 +39,7 @@ def run(history: list[Observation], current: int, ready: int | None = None, unsc
     pytest.param(flat(40), 2, 1, False, 4, "Panic", id="a-panic-grows-while-pods-start"),
     pytest.param(flat(40), 3, 2, True, 3, "CapacityUnavailable", id="no-gpu-free-stops-growth"),
     pytest.param(flat(0), 4, 4, False, 4, "Steady", id="scale-down-waits-for-the-delay"),
+    pytest.param(flat(40), 9, 9, False, 8, "Bounds", id="max-lowered-below-the-pods-applies-at-once"),
 ])
 def test_decisions(history: list[Observation], current: int, ready: int, unschedulable: bool, replicas: int,
                    reason: str) -> None:
