@@ -5,11 +5,15 @@ engine that yields as fast as it can (no model):
   ceiling   a bare ASGI app sending precomputed bytes, one event per token
   pydantic  a FastAPI route building a pydantic model per chunk (model_dump_json), as common servers do
   tally     the real runtime app (create_app) over the same token source
+With --adapter, a fourth: tally-sglang, the runtime over the SGLang adapter and the SGLang contract fake
+with a zero-cost token source (tests/fakes/sglang), so the adapter's own per-item work is measured, as a
+ratio against the tally server's CPU-free engine path.
 An asyncio client reads every byte of C concurrent streams. Reported per server: tokens/s delivered,
-inter-chunk gap p50/p99 at the client, server CPU seconds per 1k tokens; and ratios against both baselines.
+inter-chunk gap p50/p99 at the client, server CPU seconds per 1k tokens, the server's resident memory per
+open stream; and ratios against both baselines.
 
     python benchmarks/relay.py [--streams 1,64,256] [--tokens 256] [--repeats 3] [--min-tokens N]
-                                [--stack uvloop|asyncio] [--json F]
+                                [--stack uvloop|asyncio] [--adapter] [--json F]
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "fakes"))
+sys.path.insert(0, str(ROOT / "tests" / "fakes"))  # the CPU-free token source, and the contract fake as `sglang`
 
-from fast_engine import FastEngine  # noqa: E402  (the CPU-free token source)
+from fast_engine import FastEngine  # noqa: E402
 
 from tally_runtime.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -113,6 +117,18 @@ def tally_app(journal_path: str = "", records_file: str = "", api_keys_file: str
                       FastEngine())
 
 
+def sglang_app() -> Any:
+    """The runtime over the SGLang adapter and the contract fake of SGLang 0.5.23, tokens from no model."""
+    os.environ["FAKE_SGLANG_ZERO_COST"] = "1"
+    from tally_runtime.app import create_app
+    from tally_runtime.engine.sglang import SGLangEngine
+    from tally_runtime.settings import Settings
+
+    settings = Settings(engine="sglang", model_path="/models/fake", served_model_name="m",
+                        max_concurrent_generations=100_000, usage_records=False, context_length=1 << 20)
+    return create_app(settings, SGLangEngine(settings.engine_config()))
+
+
 STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop": "asyncio", "http": "h11"}}
 
 
@@ -123,7 +139,8 @@ def serve(kind: str, port: int, stack: str) -> None:
             # the runtime with its counter journal, or its usage records, on (benchmarks/journal.py)
             "tally-journal": lambda: tally_app(journal_path=os.environ["TALLY_BENCH_JOURNAL"]),
             "tally-records": lambda: tally_app(records_file=os.environ["TALLY_BENCH_RECORDS"]),
-            "tally-keys": lambda: tally_app(api_keys_file=os.environ["TALLY_BENCH_KEYS"])}
+            "tally-keys": lambda: tally_app(api_keys_file=os.environ["TALLY_BENCH_KEYS"]),
+            "tally-sglang": sglang_app}
     app = apps[kind]()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **STACKS[stack])
 
@@ -165,6 +182,13 @@ async def one_stream(port: int, tokens: int) -> tuple[int, list[float]]:
     return texts, gaps
 
 
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -179,9 +203,18 @@ async def measure(port: int, pid: int, streams: int, tokens: int, min_tokens: in
     async def client() -> list[tuple[int, list[float]]]:
         return [await one_stream(port, tokens) for _ in range(per_client)]
 
+    idle_rss, peak_rss = rss_bytes(pid), [0]
+
+    async def sample_memory() -> None:  # the server's memory while the streams are open
+        while True:
+            peak_rss[0] = max(peak_rss[0], rss_bytes(pid))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample_memory())
     cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     results = [r for rs in await asyncio.gather(*(client() for _ in range(streams))) for r in rs]
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    sampler.cancel()
     delivered = sum(r[0] for r in results)
     gaps = sorted(g for r in results for g in r[1])
     return {
@@ -192,6 +225,7 @@ async def measure(port: int, pid: int, streams: int, tokens: int, min_tokens: in
         "gap_p50_us": 1e6 * statistics.median(gaps) if gaps else 0.0,
         "gap_p99_us": 1e6 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
         "cpu_s_per_1k_tokens": 1000 * cpu / max(delivered, 1),
+        "rss_kib_per_stream": max(0, peak_rss[0] - idle_rss) / 1024 / streams,
     }
 
 
@@ -220,6 +254,15 @@ def start_server(kind: str, stack: str) -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError(f"{kind} server did not start")
 
 
+def raise_open_files() -> None:
+    """4,096 streams need as many sockets on each side: the soft limit up to the hard one (servers inherit it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def ratio(ours: float, theirs: float) -> float:
     """NaN when the baseline measured nothing (short smoke runs fall below the 10 ms CPU clock tick)."""
     return ours / theirs if theirs else float("nan")
@@ -228,13 +271,16 @@ def ratio(ours: float, theirs: float) -> float:
 KINDS = ("ceiling", "pydantic", "tally")
 
 
-def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stack: str) -> dict[str, Any]:
-    """All three servers up at once; each stream count is measured `repeats` times, the servers taking
-    turns within every round, and the round with the median throughput is reported per server. A
-    neighbour's burst on a shared machine then lands on all three alike instead of on one run."""
+def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stack: str,
+        adapter: bool = False) -> dict[str, Any]:
+    """All servers up at once; each stream count is measured `repeats` times, the servers taking turns
+    within every round, and the round with the median throughput is reported per server. A neighbour's
+    burst on a shared machine then lands on all of them alike instead of on one run."""
+    kinds = (*KINDS, "tally-sglang") if adapter else KINDS
     report: dict[str, Any] = {"tokens_per_stream": tokens, "repeats": repeats, "min_tokens": min_tokens, "stack": stack,
-                              "results": {k: {} for k in KINDS}}
-    servers = {kind: start_server(kind, stack) for kind in KINDS}
+                              "results": {k: {} for k in kinds}}
+    raise_open_files()
+    servers = {kind: start_server(kind, stack) for kind in kinds}
     try:
         for c in streams:
             rounds: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
@@ -256,7 +302,15 @@ def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stac
             "throughput_vs_pydantic": ratio(r["tally"][c]["tokens_per_s"], r["pydantic"][c]["tokens_per_s"]),
             "cpu_vs_ceiling": ratio(r["tally"][c]["cpu_s_per_1k_tokens"], r["ceiling"][c]["cpu_s_per_1k_tokens"]),
             "cpu_vs_pydantic": ratio(r["tally"][c]["cpu_s_per_1k_tokens"], r["pydantic"][c]["cpu_s_per_1k_tokens"]),
+            "p99_gap_vs_ceiling": ratio(r["tally"][c]["gap_p99_us"], r["ceiling"][c]["gap_p99_us"]),
         }
+        if adapter:
+            ratios[c] |= {
+                "adapter_throughput_vs_tally": ratio(r["tally-sglang"][c]["tokens_per_s"],
+                                                     r["tally"][c]["tokens_per_s"]),
+                "adapter_cpu_vs_tally": ratio(r["tally-sglang"][c]["cpu_s_per_1k_tokens"],
+                                              r["tally"][c]["cpu_s_per_1k_tokens"]),
+            }
     report["ratios"] = ratios
     return report
 
@@ -273,18 +327,23 @@ def main() -> None:
                         help="tokens per measurement at least: fewer streams send more requests each")
     parser.add_argument("--stack", choices=sorted(STACKS), default="uvloop",
                         help="uvicorn's event loop and HTTP parser, the same for all three servers")
+    parser.add_argument("--adapter", action="store_true", help="also the SGLang adapter over a zero-cost fake")
     parser.add_argument("--json")
     args = parser.parse_args()
-    report = run([int(s) for s in args.streams.split(",")], args.tokens, args.repeats, args.min_tokens, args.stack)
+    report = run([int(s) for s in args.streams.split(",")], args.tokens, args.repeats, args.min_tokens, args.stack,
+                 args.adapter)
     for kind, by_c in report["results"].items():
         for c, r in by_c.items():
-            print(f"{kind:9} streams={c:>4} tok/s={r['tokens_per_s']:>10.0f} delivered={r['tokens']}/{r['expected']} "
+            print(f"{kind:12} streams={c:>4} tok/s={r['tokens_per_s']:>10.0f} delivered={r['tokens']}/{r['expected']} "
                   f"gap p50={r['gap_p50_us']:.0f}us p99={r['gap_p99_us']:.0f}us "
-                  f"cpu/1k tok={r['cpu_s_per_1k_tokens'] * 1000:.1f}ms")
+                  f"cpu/1k tok={r['cpu_s_per_1k_tokens'] * 1000:.1f}ms rss/stream={r['rss_kib_per_stream']:.0f}KiB")
     for c, r in report["ratios"].items():
         print(f"tally streams={c:>4}: {r['throughput_vs_ceiling']:.2f}x ceiling, "
               f"{r['throughput_vs_pydantic']:.2f}x pydantic throughput; "
-              f"CPU per token {r['cpu_vs_ceiling']:.2f}x ceiling, {r['cpu_vs_pydantic']:.2f}x pydantic")
+              f"CPU per token {r['cpu_vs_ceiling']:.2f}x ceiling, {r['cpu_vs_pydantic']:.2f}x pydantic; "
+              f"p99 gap {r['p99_gap_vs_ceiling']:.2f}x ceiling"
+              + (f"; adapter {r['adapter_throughput_vs_tally']:.2f}x throughput, {r['adapter_cpu_vs_tally']:.2f}x CPU"
+                 if "adapter_cpu_vs_tally" in r else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

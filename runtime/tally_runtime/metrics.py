@@ -70,7 +70,8 @@ class Metrics:
                                      registry=r)
         self.journal_healthy.set(1)
         self.tenant_series = (
-            Counter(contract.TENANT_REQUESTS, "Finished requests per tenant", ["tenant"], registry=r),
+            Counter(contract.TENANT_REQUESTS, "Requests served per tenant (refused ones are not)", ["tenant"],
+                    registry=r),
             Counter(contract.TENANT_PROMPT_TOKENS, "Prompt tokens per tenant (engine-sourced)", ["tenant"], registry=r),
             Counter(contract.TENANT_COMPLETION_TOKENS, "Completion tokens per tenant (engine-sourced)", ["tenant"],
                     registry=r),

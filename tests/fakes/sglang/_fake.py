@@ -14,7 +14,8 @@ how SGLang *packages* them (SGLANG_CONTRACT.md §1-§3):
 - `abort_request(rid)` of a stream still being read: the next step's token comes in a final graceful-abort
   item whose `completion_tokens` counts it (the engine generated and counted it after the last item read);
 - 0.5.10 (C) still sends output logprob lists cumulatively in incremental mode (sliced from 0.5.16 on);
-- `bos_template`: a tokenizer that adds a BOS and a chat template that writes one (Llama-3 style).
+- `bos_template`: a tokenizer that adds a BOS and a chat template that writes one (Llama-3 style);
+- `zero_cost`: tokens from no model (the relay benchmark's adapter path), packaged as every other.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import codecs
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -56,6 +58,9 @@ class FakeConfig:
     context_len: int = 2048
     aborts: dict[str, tuple[int, str]] = field(default_factory=dict)  # prompt marker -> (after, kind)
     bos_template: bool = False
+    # Tokens from no model at all (one id, one word each): what SGLang does per item is all that costs
+    # anything, for benchmarks/relay.py's adapter path. Requests then run at once, not one at a time.
+    zero_cost: bool = field(default_factory=lambda: os.environ.get("FAKE_SGLANG_ZERO_COST") == "1")
 
     @property
     def generation(self) -> str:
@@ -307,8 +312,10 @@ class Engine:
         if len(ids) + max_new > tm.context_len:
             raise ValueError(f"Requested token count exceeds the model's maximum context length of "
                              f"{tm.context_len} tokens. You requested a total of {len(ids) + max_new} tokens")
-        cached = max((_common_prefix(p, ids) for p in tm.seen_prompts), default=0)
-        tm.seen_prompts.append(tuple(ids))
+        zero_cost = current().zero_cost
+        cached = 0 if zero_cost else max((_common_prefix(p, ids) for p in tm.seen_prompts), default=0)
+        if not zero_cost:
+            tm.seen_prompts.append(tuple(ids))
         abort = next((v for k, v in current().aborts.items() if k in tm.tokenizer.decode(ids)), None)
         gen = current().generation
         incremental = self._incremental_flag
@@ -316,8 +323,9 @@ class Engine:
         all_ids: list[int] = []
         done = False
         try:
-            async with tm.lock:
-                steps = self._steps(ids, params, logprob, top, abort, rid)
+            async with contextlib.nullcontext() if zero_cost else tm.lock:
+                steps = (self._zero_cost_steps(params, rid) if zero_cost
+                         else self._steps(ids, params, logprob, top, abort, rid))
                 pending: list[_Step] = []
                 want = next(pattern)
                 async for step in steps:
@@ -373,6 +381,23 @@ class Engine:
             text = full_text
             out_ids = [all_ids[-1]] if incremental and all_ids else list(all_ids)
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    async def _zero_cost_steps(self, params: dict[str, Any], rid: str) -> AsyncIterator[_Step]:
+        """One id and one word a step, as fast as the loop allows (control handed back every 16 steps)."""
+        max_new = int(params.get("max_new_tokens", 128))
+        text = ""
+        for count in range(1, max_new + 1):
+            text += " tok"
+            finish: dict[str, Any] | None = {"type": "length", "length": max_new} if count == max_new else None
+            if finish is None and rid in self.tokenizer_manager.abort_requested:
+                finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+            step = _Step([7], text, count, finish, [], [])
+            step.text_delta = " tok"  # type: ignore[attr-defined]
+            yield step
+            if finish is not None:
+                return
+            if count % 16 == 0:
+                await asyncio.sleep(0)
 
     async def _steps(self, prompt: list[int], params: dict[str, Any], logprob: bool, top: int,
                      abort: tuple[int, str] | None, rid: str = "") -> AsyncIterator[_Step]:
