@@ -141,6 +141,9 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     except SpecError as error:
         await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(error), fields)))
         return
+    # A pass that sees a generation the status has not observed applies it first: observedGeneration never
+    # claims a spec whose children were not written (a status timer can run before the update handler).
+    apply_children = apply_children or generation != int(obj["status"].get("observedGeneration") or 0)
     if spec.autoscaling is not None:  # the operator owns the count: what it decided last (spec.replicas is not it)
         spec = replace(spec, replicas=await decided_replicas(ctx, meta, spec.autoscaling, memory.scaling))
     try:

@@ -34,16 +34,22 @@ class Mailbox:
 
     def put(self, item: tuple[int, Delta]) -> None:
         self.items.append(item)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if self.waiter is not None:
+            self._wake()
 
     def close(self, error: Exception | None = None) -> None:
         """One producer is done, with the error that ended it, if any (the first error is kept)."""
         self.open -= 1
         if error is not None and self.error is None:
             self.error = error
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if self.waiter is not None:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake the consumer once: the puts that follow before it runs need not look at it again."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def take_all(self, stop_on_error: bool = True) -> Batch:
         """Everything waiting; empty only once every producer is done (or, by default, one has failed)."""
@@ -75,11 +81,12 @@ class Choices:
             self.mailbox.close()
             return
         try:
+            put = self.mailbox.put
             async with aclosing(self.engine.generate(request)) as deltas:  # type: ignore[type-var]
-                async for last in deltas:
+                async for last in deltas:  # once per engine item: kept lean
                     if last.finish_reason is not None:
                         self.finished.add(index)  # the engine is done with it: nothing left to abort
-                    self.mailbox.put((index, last))
+                    put((index, last))
         except Exception as err:
             self.finished.add(index)
             self.mailbox.close(err)
@@ -105,13 +112,15 @@ class Choices:
         counts among it), waiting at most `settle_seconds`; then cancel whatever is left."""
         self.abort_engine()
         late: Batch = []
-        try:
-            async with asyncio.timeout(settle_seconds):
-                while batch := await self.mailbox.take_all(stop_on_error=False):
-                    late.extend(batch)
-        except TimeoutError:
-            late.extend(self.mailbox.items)
-            self.mailbox.items = []
+        if self.mailbox.open:  # (every request that ran to its end skips the timer)
+            try:
+                async with asyncio.timeout(settle_seconds):
+                    while batch := await self.mailbox.take_all(stop_on_error=False):
+                        late.extend(batch)
+            except TimeoutError:
+                pass
+        late.extend(self.mailbox.items)
+        self.mailbox.items = []
         await self.cancel()
         return late
 
@@ -124,6 +133,8 @@ class Choices:
 
     async def cancel(self) -> None:
         """End every pump now (closing a generation aborts it in the engine too)."""
-        for task in self.tasks:
+        running = [task for task in self.tasks if not task.done()]
+        for task in running:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)

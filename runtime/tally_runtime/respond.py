@@ -1,7 +1,8 @@
 """The shared request flow: prepare (4xx before any byte), admit and prime, then stream or answer.
 
-From the moment the body is read until the response starts, a watcher cancels the request if the
-client leaves: a request waiting in the admission queue or in prefill is dropped, not run for nobody.
+From the moment the body is read until the last byte, a watcher cancels the request if the client
+leaves (client_watch.py): a request waiting in the admission queue or in prefill is dropped, not run for
+nobody, and a stream ends at once.
 
 Every request that reaches a route is recorded exactly once, whatever happens: here when it is refused
 or fails before it is admitted (a client that leaves while sending its body included), by the server
@@ -13,19 +14,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from tally_runtime import auth, contract, sse
+from tally_runtime.client_watch import ClientGone, ClientWatch, EventStreamResponse
 from tally_runtime.prepare import Endpoint, Job
 from tally_runtime.protocol import ApiError
 from tally_runtime.serving import Server
 
-T = TypeVar("T")
 log = logging.getLogger("tally_runtime.respond")
 
 CLIENT_CLOSED = 499  # nginx's convention; the client never sees it
@@ -54,7 +55,16 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         tenant = auth.resolve(keyed, headers, state.trust_tenant_header, header_name, None)
         job = await prepare()
         tenant = auth.resolve(keyed, headers, state.trust_tenant_header, header_name, job.user)
-        run = await until_disconnected(request, server.start(job, tenant, started))
+        watch = ClientWatch(request.receive).start()  # the body is read: from here, a disconnect is the end
+        try:
+            async with watch:
+                run = await server.start(job, tenant, started)
+        except BaseException:
+            watch.stop()
+            raise
+        # Whatever happens to this task from here (the response sent, or the task ended before it could
+        # start), the run's books close: the slots go back and the request is recorded.
+        asyncio.current_task().add_done_callback(run.close_soon)  # type: ignore[union-attr]
     except ApiError as error:
         server.reject(endpoint.name, error, tenant, job)
         return error_response(error)
@@ -68,13 +78,16 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         server.fail(endpoint.name, tenant, started)
         return error_response(ApiError(500, "Internal error while preparing the request"))
     if job.stream:
-        return StreamingResponse(run.stream(), media_type=sse.MEDIA_TYPE, headers=sse.STREAM_HEADERS)
+        return EventStreamResponse(run.stream(), watch, sse.MEDIA_TYPE, sse.STREAM_HEADERS)
     try:
-        payload = await until_disconnected(request, run.collect())
+        async with watch:
+            payload = await run.collect()
     except ApiError as error:
         return error_response(error)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
+    finally:
+        watch.stop()
     return json_response(payload)
 
 
@@ -91,33 +104,3 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"The request body is larger than the server accepts ({limit} bytes)",
                            code="request_too_large")
     return bytes(body)
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it (and so aborting the engine) if the client leaves.
-
-    Starlette cancels streaming bodies on disconnect by itself; everything before a response starts,
-    and plain responses, need this watcher.
-    """
-    task = asyncio.ensure_future(work)
-    gone = asyncio.Event()
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone.set()
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if gone.is_set():
-            raise ClientGone from None
-        raise
-    finally:
-        watcher.cancel()

@@ -210,13 +210,15 @@ class Run:
         choices' deltas in it are passed on, only the aborted choice's last delta is not."""
         tokens: dict[int, int] = {}
         failure = None
-        for index, delta in batch:
-            self.usage[index].observe(delta)
-            if delta.finish_reason == FinishReason.ABORT:
-                failure = failure or EngineError("The engine aborted the generation", 500)
-                continue
-            if delta.finish_reason is not None:
-                self.finish_reason = str(delta.finish_reason)
+        usage = self.usage
+        for index, delta in batch:  # once per token when the client keeps up: kept lean
+            usage[index].observe(delta)
+            finish = delta.finish_reason
+            if finish is not None:
+                if finish is FinishReason.ABORT:
+                    failure = failure or EngineError("The engine aborted the generation", 500)
+                    continue
+                self.finish_reason = str(finish)
             if delta.token_ids:
                 tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
             each(index, delta)
@@ -251,18 +253,30 @@ class Run:
         billed. That work runs in a task of its own: when the client leaves, the task serving it is being
         cancelled, and the books must be finished all the same. A refused request (the engine refused it
         while priming) is recorded by the caller as rejected, unbilled."""
-        if self.closed:
-            return
+        if not self.closed:
+            await asyncio.shield(self._close_in_background(refused))
+
+    def close_soon(self, _: object = None) -> None:
+        """Close the run unless it is closed, without waiting: a done callback of the task that served it,
+        so a response that never started (its client gone before the first byte) still closes the books."""
+        if not self.closed:
+            self._close_in_background(False)
+
+    def _close_in_background(self, refused: bool) -> asyncio.Future[None]:
         self.closed = True
         finishing = asyncio.ensure_future(self._finish(refused))
         self.server.closing.add(finishing)
         finishing.add_done_callback(self.server.closing.discard)
-        await asyncio.shield(finishing)
+        return finishing
 
     async def _finish(self, refused: bool) -> None:
         server = self.server
         try:
             await self.events.aclose()  # type: ignore[attr-defined]
+            if self.first is not None:  # primed, never sent (the response never started): still read
+                for index, delta in self.first:
+                    self.usage[index].observe(delta)
+                self.first = None
             if refused:
                 await self.choices.cancel()
             else:

@@ -23,7 +23,7 @@ from operator_harness import NAMESPACE, RELEASE
 from tally_operator.bookkeeping import Observed
 from tally_operator.kube import Kube
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, Observe, Scraped, ServiceMemory, commit
+from tally_operator.reconcile import Context, Observe, Scraped, ServiceMemory, commit, reconcile
 from tally_operator.samples import Counters, PodSample
 from tally_operator.settings import OperatorSettings
 from tally_operator.usage import Round
@@ -184,3 +184,19 @@ def test_two_operators_racing_on_one_resource_book_every_token_once(writers: str
     assert final["completionTokens"] == reading["completionTokens"] <= pod.completion
     assert final["podsUnaccounted"] == 0 and final["sequence"] == 12
     assert a.booked("completion_tokens") + b.booked("completion_tokens") == final["completionTokens"]
+
+
+def test_a_status_pass_on_a_new_generation_applies_it_before_claiming_it(writers: str, kube: Kubectl) -> None:
+    """The status timer can run on a new spec before the update handler: it must not write that generation
+    as observed over children still rendered from the old one."""
+    create(kube)
+    operator = Operator(writers)
+    body = dict(kube.json("get", "completionservice", "books"))
+    asyncio.run(reconcile(operator.ctx, kopf.Body(body), operator.memory, apply_children=True))
+    kube("patch", "completionservice", "books", "--type=merge", "-p", '{"spec":{"engine":{"contextLength":1024}}}')
+    body = dict(kube.json("get", "completionservice", "books"))
+    asyncio.run(reconcile(operator.ctx, kopf.Body(body), operator.memory, apply_children=False))
+    args = kube.json("get", "deployment", "books")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--context-length") + 1] == "1024"
+    assert kube.json("get", "completionservice", "books")["status"]["observedGeneration"] == body["metadata"][
+        "generation"] == 2

@@ -106,9 +106,14 @@ def test_spec_change_rolls_out(operator: ChartOperator, kube: Kubectl) -> None:
         return args[args.index("--context-length") + 1] == "1024"
 
     eventually(rolled, 30, what="new args in the pod template")
-    cs = eventually(lambda: (o := kube.json("get", "completionservice", "smollm"))["status"]["observedGeneration"]
-                    == o["metadata"]["generation"] and condition(kube, "Ready").get("status") == "True" and o,
-                    90, what="rolled out and Ready")
+    def rolled_out_and_ready() -> dict[str, Any] | None:  # one read: generation, condition and counts agree
+        cs = kube.json("get", "completionservice", "smollm")
+        status = cs.get("status") or {}
+        ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+        current = status.get("observedGeneration") == cs["metadata"]["generation"]
+        return cs if current and ready.get("status") == "True" else None
+
+    cs = eventually(rolled_out_and_ready, 90, what="rolled out and Ready")
     assert cs["status"]["updatedReplicas"] == 2
 
 

@@ -224,15 +224,17 @@ class SGLangEngine:
         started = finished = False
         try:
             async for item in generator:
-                if not started and request.request_id in self._abort_wanted:
-                    # asked before SGLang had registered the request, when abort_request is a no-op
-                    self._engine.tokenizer_manager.abort_request(request.request_id)
-                started = True
+                if not started:
+                    started = True
+                    if request.request_id in self._abort_wanted:
+                        # asked before SGLang had registered the request, when abort_request is a no-op
+                        self._engine.tokenizer_manager.abort_request(request.request_id)
                 delta = stream.convert(item)
-                finished = delta.finish_reason is not None
-                yield delta
-                if finished:
+                if delta.finish_reason is not None:
+                    finished = True
+                    yield delta
                     return
+                yield delta
         except ValueError as err:  # SGLang validates on the first iteration (§2)
             if not started:  # SGLang's own validation: its words are for the client
                 raise InvalidRequestError(str(err)) from None

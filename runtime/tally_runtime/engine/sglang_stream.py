@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tally_runtime.engine.base import Delta, EngineError, FinishReason, TokenLogprob
@@ -30,6 +31,9 @@ class StreamShape:
         return not (self.ids_cumulative or self.text_cumulative)
 
 
+_NO_META: Mapping[str, Any] = MappingProxyType({})
+
+
 class StreamModeViolation(EngineError):
     """SGLang sent cumulative output where the adapter was told to expect deltas."""
 
@@ -45,41 +49,38 @@ class ChoiceStream:
     logprobs_emitted: int = 0  # entries, for cumulative logprob lists
 
     def convert(self, item: Mapping[str, Any]) -> Delta:
-        meta: Mapping[str, Any] = item.get("meta_info") or {}
+        # Runs once per stream item (per token when the reader keeps up): one pass, no copies on the
+        # common path (benchmarks/README.md, relay through the adapter).
+        meta: Mapping[str, Any] = item.get("meta_info") or _NO_META
         finish = meta.get("finish_reason")
         completion = meta.get("completion_tokens")
-        waiting_abort = _is_waiting_queue_abort(meta)
-        ids = self._delta_ids(list(item.get("output_ids") or []), completion, waiting_abort)
-        text = self._delta_text(item.get("text") or "", waiting_abort)
+        waiting_abort = finish is not None and _is_waiting_queue_abort(finish, meta)
+        ids = self._delta_ids(item.get("output_ids") or (), completion, waiting_abort)
+        text = item.get("text") or ""
+        if self.shape.text_cumulative or waiting_abort:
+            text = self._delta_text(text, waiting_abort)
         logprobs = self._delta_logprobs(meta) if self.want_logprobs else None
         dropped = 0
         if self.shape.drops_backlog_ids and completion is not None and not waiting_abort:
             dropped = max(0, completion - self.ids_dropped - self.ids_emitted - len(ids))
             self.ids_dropped += dropped
         self.ids_emitted += len(ids)
-        return Delta(
-            text=text,
-            token_ids=tuple(ids),
-            logprobs=logprobs,
-            prompt_tokens=meta.get("prompt_tokens"),
-            completion_tokens=completion,
-            cached_tokens=meta.get("cached_tokens"),
-            reasoning_tokens=meta.get("reasoning_tokens") or None,
-            finish_reason=finish_reason(finish),
-            dropped_ids=dropped,
-        )
+        return Delta(text, ids, logprobs, meta.get("prompt_tokens"), completion, meta.get("cached_tokens"),
+                     meta.get("reasoning_tokens") or None, finish_reason(finish) if finish else None, dropped)
 
-    def _delta_ids(self, raw: list[int], completion: int | None, waiting_abort: bool) -> list[int]:
+    def _delta_ids(self, raw: Sequence[int], completion: int | None, waiting_abort: bool) -> tuple[int, ...]:
         ids = raw[self.ids_emitted:] if self.shape.ids_cumulative else raw
         if completion is None:
-            return ids
+            return tuple(ids)
         room = max(0, completion - self.ids_emitted - self.ids_dropped)
-        if not self.shape.ids_cumulative and not waiting_abort and len(ids) > room:
+        if len(ids) <= room:
+            return tuple(ids)
+        if not self.shape.ids_cumulative and not waiting_abort:
             raise StreamModeViolation(
                 f"SGLang sent {len(ids)} token ids where {room} were new: it is streaming cumulatively "
                 "although incremental streaming was verified; refusing to relay duplicated output"
             )
-        return ids[:room]
+        return tuple(ids[:room])
 
     def _delta_text(self, text: str, waiting_abort: bool) -> str:
         if self.shape.text_cumulative:
@@ -121,9 +122,8 @@ def finish_reason(finish: Mapping[str, Any] | None) -> FinishReason | None:
     return FinishReason.ABORT
 
 
-def _is_waiting_queue_abort(meta: Mapping[str, Any]) -> bool:
+def _is_waiting_queue_abort(finish: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
     """`_handle_abort_req` items lack prompt counts (SGLANG_CONTRACT.md §2.5)."""
-    finish = meta.get("finish_reason") or {}
     return finish.get("type") == "abort" and "prompt_tokens" not in meta
 
 
