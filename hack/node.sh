@@ -219,12 +219,14 @@ node_pids() { # every process in the node's mount namespace or in its cgroups (c
     mine=$(readlink /proc/self/ns/mnt)
     # Kill by namespace only with proof: the recorded holder still runs, holds the namespace recorded when
     # it started, and that namespace is not this machine's own.
-    if [[ -n $ns && $ns == "$expected" && $ns != "$mine" ]]; then
+    if [[ -z $ns ]]; then
+      log "the namespace holder exited just now: nothing is killed by namespace (the node's cgroups still are)"
+    elif [[ $ns == "$expected" && $ns != "$mine" ]]; then
       for pid in /proc/[0-9]*; do
         [[ $(readlink "$pid/ns/mnt" 2>/dev/null) == "$ns" ]] && echo "${pid#/proc/}"
       done
     else
-      log "not killing by mount namespace: the holder's ${ns:-none} is not the one recorded (${expected:-none}) or is this machine's own"
+      log "not killing by mount namespace: the holder's $ns is not the one recorded (${expected:-none}) or is this machine's own"
     fi
   elif [[ -f $HOLDER_PID ]]; then
     log "the recorded namespace holder is gone (its PID may now be another process's): nothing is killed by namespace"
