@@ -66,4 +66,4 @@ down:  ## stop everything `make run` or `make up` started (and the test suite's 
 	hack/leftovers.sh
 
 env:
-	hack/cluster.sh env
+	@hack/cluster.sh env

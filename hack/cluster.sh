@@ -327,7 +327,8 @@ up() {
   wait_for 60 "default ServiceAccount" kubectl get serviceaccount default -n default
   start_dns
   [[ $REAL_NODE == 0 ]] || "$HACK/node.sh" up
-  log "up in $((SECONDS - t0))s; $(env_line)"
+  # The relay's password stays in its 0600 file: logs (a CI log, a shared terminal) get the command, not it.
+  log "up in $((SECONDS - t0))s; for kubectl and the relay: eval \"\$(TALLY_CLUSTER_DIR=$DIR $HACK/cluster.sh env)\""
 }
 
 down_processes() {

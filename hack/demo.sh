@@ -49,6 +49,9 @@ up() {
     log "images changed: restarting the operator and the example's pods"
     kubectl rollout restart -n tally-system "deployment/$RELEASE" >/dev/null
     kubectl rollout restart -n "$NS" deployment/smollm >/dev/null 2>&1 || true
+    # the status still says Ready from before the restart: wait for the new pods first
+    kubectl rollout status -n tally-system "deployment/$RELEASE" --timeout=180s >/dev/null
+    kubectl rollout status -n "$NS" deployment/smollm --timeout=300s >/dev/null 2>&1 || true
   fi
   echo "$images" > "$DIR/images"
   log "waiting for the CompletionService to be Ready and UsageHealthy"
@@ -65,8 +68,8 @@ up() {
   kubectl get pods -n tally-system -o wide
   kubectl get pods -n "$NS" -o wide
   kubectl get completionservices -n "$NS"
-  log "from this machine, through the cluster's SOCKS relay: curl --proxy $TALLY_PROXY http://$ip:8000/v1/models"
-  log "up. $("$HACK/cluster.sh" env); take it all down with: make down"
+  log "up. For kubectl and the cluster's SOCKS relay: eval \"\$(make env)\" (the relay's password stays in its file)"
+  log "then, from this machine: curl --proxy \"\$TALLY_PROXY\" http://$ip:8000/v1/models; take it all down with: make down"
 }
 
 down() {
