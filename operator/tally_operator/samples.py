@@ -86,6 +86,9 @@ _READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, co
          contract.DRAINING}
 
 
+MAX_LOAD = 1e9  # no pod queues or runs this many requests: a larger gauge is not to be scaled on
+
+
 class MetricsParseError(ValueError):
     pass
 
@@ -141,6 +144,9 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
         and not gauges.get(contract.QUEUED_REQUESTS)
     bounded, capped = bounded_tenants({t: Counters(**counts) for t, counts in tenants.items()}, MAX_TENANTS_PER_POD)
     load = {name: gauges[name] for name in _LOAD_GAUGES if name in gauges}
+    for name, value in load.items():  # summed over label sets: each was finite, the sum may not be
+        if not value <= MAX_LOAD:
+            raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
     return PodSample(Counters(**values), mode, drift, started, final, bounded, all_requests, pod_uid or "", capped,
                      load)
 

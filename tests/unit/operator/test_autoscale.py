@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tally_operator.autoscale import Autoscaling, Decision, Observation, Recommendation, decide
+from tally_operator.autoscale import Autoscaling, Decision, Observation, Recommendation, decide, deletion_cost
+from tally_operator.samples import MAX_LOAD
+from tally_runtime import contract
 
 CONFIG = Autoscaling(min_replicas=1, max_replicas=8, metric="queuedRequests", target=4.0,
                      stable_window_seconds=100, panic_window_seconds=10, scale_down_delay_seconds=200,
@@ -82,3 +84,10 @@ def test_a_noisy_load_causes_fewer_scale_events_than_a_plain_rule() -> None:
         if plain != plain_current:
             plain_current, plain_events = plain, plain_events + 1
     assert events < plain_events / 4
+
+
+def test_deletion_cost_is_the_pods_busy_requests_within_the_annotations_int32() -> None:
+    assert deletion_cost({}) == 0
+    assert deletion_cost({contract.INFLIGHT_GENERATIONS: 3.0, contract.QUEUED_REQUESTS: 2.0}) == 5
+    # the largest a trusted sample can say (samples.MAX_LOAD each) still fits the annotation's int32
+    assert deletion_cost({contract.QUEUED_REQUESTS: MAX_LOAD, contract.INFLIGHT_GENERATIONS: MAX_LOAD}) < 2**31

@@ -47,6 +47,11 @@ def test_parse_sample_counts_served_requests_and_keeps_all_for_the_handshake() -
                  None, "not negative", id="negative"),
     pytest.param(EPOCH + REQUESTS + "# TYPE tally_tenant_prompt_tokens counter\n"
                  "tally_tenant_prompt_tokens_total{tenant=\"a\"} -1\n", None, "not negative", id="negative-tenant"),
+    pytest.param(EPOCH + REQUESTS + "# TYPE tally_queued_requests gauge\n"
+                 "tally_queued_requests{a=\"1\"} 1e308\ntally_queued_requests{a=\"2\"} 1e308\n",
+                 None, "autoscaling signal", id="load-summing-to-infinity"),
+    pytest.param(EPOCH + REQUESTS + "# TYPE tally_inflight_generations gauge\ntally_inflight_generations 5e9\n",
+                 None, "autoscaling signal", id="load-beyond-any-pod"),
 ])
 def test_untrusted_samples_are_refused_whole(text: str, expected_uid: str | None, why: str) -> None:
     with pytest.raises(MetricsParseError, match=why):
