@@ -123,6 +123,9 @@ def owned_flag(arg: str) -> str | None:
     return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
 
 
+MAX_SCALING_WINDOW_SECONDS = 3600  # as the CRD says
+
+
 def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
     if not raw or not raw.get("enabled", True):
         return None
@@ -140,6 +143,10 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
         raise SpecError("InvalidSpec", "spec.autoscaling.maxReplicas must be at least minReplicas")
     if scaling.metric not in METRICS or scaling.target <= 0:
         raise SpecError("InvalidSpec", f"spec.autoscaling needs a metric of {', '.join(METRICS)} and a positive target")
+    longest = max(scaling.stable_window_seconds, scaling.scale_down_delay_seconds)
+    if longest > MAX_SCALING_WINDOW_SECONDS:  # the operator keeps a sample per scrape over these windows
+        raise SpecError("InvalidSpec", f"spec.autoscaling: windows and the scale-down delay are at most "
+                                       f"{MAX_SCALING_WINDOW_SECONDS} s (Knative's bound too)")
     if scaling.panic_window_seconds > scaling.stable_window_seconds or scaling.max_scale_up_rate <= 1:
         raise SpecError("InvalidSpec", "spec.autoscaling: the panic window must not exceed the stable window, and "
                                        "maxScaleUpRate must be above 1")

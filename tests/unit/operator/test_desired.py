@@ -69,6 +69,10 @@ def test_service_and_pdb() -> None:
     pytest.param({**SGLANG, "resources": {"gpus": 3}}, "GPUsNotDivisible", id="tp"),
     pytest.param({"model": {"name": "m"}, "engine": {"kind": "sglang"}}, "InvalidSpec", id="sglang-needs-path"),
     pytest.param({"model": {}}, "InvalidSpec", id="no-name"),
+    pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "scaleDownDelaySeconds": 86_400}}, "InvalidSpec",
+                 id="scaling-delay-beyond-an-hour"),
+    pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "minReplicas": 0}}, "ScaleToZeroUnsupported",
+                 id="scale-to-zero"),
 ])
 def test_invalid_specs(raw: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError) as caught:
