@@ -57,7 +57,7 @@ def grace_seconds(spec: Spec) -> int:
     return spec.drain_seconds + final_read_seconds(spec) + 15
 
 
-def runtime_args(spec: Spec, meta: Mapping[str, Any] | None = None) -> list[str]:
+def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
         "serve", "--host", "::", "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
@@ -71,7 +71,7 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any] | None = None) -> list[str]
         args += ["--model-path", spec.model_path]
     if spec.allow_cumulative_stream:
         args.append("--allow-cumulative-stream")
-    if spec.records_format == "cloudevents" and meta is not None:
+    if spec.records_format == "cloudevents":
         # $(POD_NAME) is the pod's own name (downward API), expanded by the kubelet
         args += ["--usage-records-format", "cloudevents",
                  f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]

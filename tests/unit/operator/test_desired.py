@@ -42,7 +42,7 @@ def test_deployment_has_gpu_limits_probes_shm_and_safe_rollout() -> None:
 
 
 def test_runtime_args_carry_the_sglang_settings() -> None:
-    args = runtime_args(parse_spec(SGLANG))
+    args = runtime_args(parse_spec(SGLANG), META)
     assert args[:9] == ["serve", "--host", "::", "--port", "8000", "--metrics-port", "8001", "--engine", "sglang"]
     pairs = dict(zip(args[1::2], args[2::2], strict=False))
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--data-parallel-size"] == "2"
@@ -98,4 +98,4 @@ def test_pods_keep_their_counters_on_a_volume_and_get_time_to_drain() -> None:
 def test_the_streaming_switch_in_engine_args_is_accepted_as_the_runtime_accepts_it(flag: str) -> None:
     """One rule on both sides: Tally always turns incremental streaming on, so the flag is redundant."""
     spec = parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": [flag, "--stream-interval", "2"]}})
-    assert f"--engine-args={flag} --stream-interval 2" in runtime_args(spec)
+    assert f"--engine-args={flag} --stream-interval 2" in runtime_args(spec, META)
