@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
-from tally_runtime.engine.base import Delta, Engine, EngineError, GenerationRequest
+from tally_runtime.engine.base import Delta, Engine, EngineError, GenerationRequest, ItemStream
 
 Batch = list[tuple[int, Delta]]
 
@@ -75,18 +75,16 @@ class Choices:
         self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
 
     async def _pump(self, index: int, request: GenerationRequest) -> None:
-        last: Delta | None = None
         if self.aborting:  # aborted before it reached the engine: nothing to generate or bill
             self.finished.add(index)
             self.mailbox.close()
             return
         try:
-            put = self.mailbox.put
-            async with aclosing(self.engine.generate(request)) as deltas:  # type: ignore[type-var]
-                async for last in deltas:  # once per engine item: kept lean
-                    if last.finish_reason is not None:
-                        self.finished.add(index)  # the engine is done with it: nothing left to abort
-                    put((index, last))
+            source = self.engine.generate(request)
+            if isinstance(source, ItemStream):
+                last = await self._pump_items(index, source)
+            else:
+                last = await self._pump_deltas(index, source)
         except Exception as err:
             self.finished.add(index)
             self.mailbox.close(err)
@@ -96,6 +94,40 @@ class Choices:
             self.mailbox.close(EngineError("The engine ended a generation without a finish reason", 500))
         else:
             self.mailbox.close()
+
+    # The two loops below run once per engine item, per token when the reader keeps up: kept lean.
+
+    async def _pump_deltas(self, index: int, source: AsyncIterator[Delta]) -> Delta | None:
+        last: Delta | None = None
+        put = self.mailbox.put
+        async with aclosing(source) as deltas:  # type: ignore[type-var]
+            async for last in deltas:
+                if last.finish_reason is not None:
+                    self.finished.add(index)  # the engine is done with it: nothing left to abort
+                put((index, last))
+        return last
+
+    async def _pump_items(self, index: int, source: ItemStream) -> Delta | None:
+        """`ItemStream.deltas` inlined: the engine's items converted here, without a generator between."""
+        last: Delta | None = None
+        put, convert = self.mailbox.put, source.convert
+        started = False
+        try:
+            async for item in await source.open():
+                if not started:
+                    started = True
+                    source.first_item()
+                last = convert(item)
+                if last.finish_reason is not None:
+                    self.finished.add(index)
+                    put((index, last))
+                    break
+                put((index, last))
+        except Exception as err:
+            raise source.failed(err, started) from None
+        finally:
+            await source.close(last is not None and last.finish_reason is not None)
+        return last
 
     async def batches(self) -> AsyncIterator[Batch]:
         """Interleave the choices' deltas in arrival order, batching whatever is already waiting. An engine

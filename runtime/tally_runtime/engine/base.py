@@ -1,7 +1,8 @@
 """The Engine port: what serving code needs from any engine, and the normalized delta it yields.
 
 Every adapter (llama.cpp on the CPU, SGLang on GPUs) turns its native output into one
-stream of `Delta`s per generated choice. A delta may carry several tokens (engines coalesce),
+stream of `Delta`s per generated choice (directly, or as an `ItemStream`: the engine's own items and the
+conversion of each). A delta may carry several tokens (engines coalesce),
 no text at all (a partial UTF-8 character, an EOS token), and the engine's own cumulative
 counts, which include stop and EOS tokens. See SGLANG_CONTRACT.md §2 and §8.
 """
@@ -9,9 +10,9 @@ counts, which include stop and EOS tokens. See SGLANG_CONTRACT.md §2 and §8.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StreamMode(enum.StrEnum):
@@ -150,6 +151,57 @@ class Health:
     reason: str = ""
 
 
+class ItemStream:
+    """One choice as the engine's own items plus the adapter's conversion of each into a delta.
+
+    What an adapter whose engine streams something else than deltas (SGLang's dicts) returns from
+    `generate`: the fan-in pump (`fanin.Choices`) then reads the items and converts each in its own loop,
+    so the adapter adds no async-generator layer per item, which at thousands of streams costs as much as
+    the conversion (benchmarks/README.md §1). Any other reader iterates it as deltas (`deltas`), with
+    the same semantics; the pump's loop must keep them.
+    """
+
+    convert: Callable[[Any], Delta]  # one item as a delta; raises an EngineError for one that ends the choice
+
+    async def open(self) -> AsyncIterator[Any]:
+        """Start the generation: the engine's iterator of items (`close` follows even if this raises)."""
+        raise NotImplementedError
+
+    def first_item(self) -> None:
+        """The engine's first item has arrived (called before it is converted)."""
+
+    def failed(self, error: Exception, started: bool) -> Exception:
+        """What the choice fails with when the engine (or `convert`) raised `error`; `started`: after the
+        first item."""
+        return error
+
+    async def close(self, finished: bool) -> None:
+        """End the generation: abort it in the engine unless it `finished` (a delta with a finish reason
+        was converted), and close the items' iterator."""
+        raise NotImplementedError
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self.deltas()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The choice as deltas, up to and including the one with a finish reason."""
+        started = finished = False
+        try:
+            async for item in await self.open():
+                if not started:
+                    started = True
+                    self.first_item()
+                delta = self.convert(item)
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        except Exception as error:
+            raise self.failed(error, started) from None
+        finally:
+            await self.close(finished)
+
+
 class Engine(Protocol):
     """The port serving code depends on. Adapters are imported lazily behind extras."""
 
@@ -176,8 +228,8 @@ class Engine(Protocol):
         """The prompt text for a chat conversation, with the model's template and generation prompt."""
         ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        """Yield deltas for one choice until a delta with `finish_reason`.
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta] | ItemStream:
+        """Yield deltas for one choice until a delta with `finish_reason` (or return an `ItemStream`).
 
         Raise `InvalidRequestError` before the first delta for requests the engine refuses,
         `EngineError` at any point for failures. Closing the iterator aborts the generation.

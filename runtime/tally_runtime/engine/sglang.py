@@ -18,7 +18,6 @@ from typing import Any
 
 from tally_runtime.engine import sglang_compat as compat
 from tally_runtime.engine.base import (
-    Delta,
     EngineConfig,
     EngineError,
     EngineInfo,
@@ -26,6 +25,7 @@ from tally_runtime.engine.base import (
     GenerationRequest,
     Health,
     InvalidRequestError,
+    ItemStream,
     SamplingParams,
     StreamMode,
 )
@@ -199,6 +199,9 @@ class SGLangEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
+    def _piece(self, token: int) -> str:
+        return self.detokenize([token])
+
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         return str(self._tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
 
@@ -212,45 +215,59 @@ class SGLangEngine:
             self._abort_wanted.add(request_id)
             self._engine.tokenizer_manager.abort_request(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        params = request.sampling
-        want_logprobs = params.logprobs is not None
-        generator = await self._engine.async_generate(
-            input_ids=list(request.prompt_ids), sampling_params=sampling_params(params), stream=True,
-            return_logprob=want_logprobs, top_logprobs_num=(params.logprobs or 0) if want_logprobs else None,
-            rid=request.request_id,
-        )
-        stream = ChoiceStream(self._shape, lambda token: self.detokenize([token]), want_logprobs)
-        started = finished = False
-        try:
-            async for item in generator:
-                if not started:
-                    started = True
-                    if request.request_id in self._abort_wanted:
-                        # asked before SGLang had registered the request, when abort_request is a no-op
-                        self._engine.tokenizer_manager.abort_request(request.request_id)
-                delta = stream.convert(item)
-                if delta.finish_reason is not None:
-                    finished = True
-                    yield delta
-                    return
-                yield delta
-        except ValueError as err:  # SGLang validates on the first iteration (§2)
+    def generate(self, request: GenerationRequest) -> ItemStream:
+        return _Generation(self, request)
+
+    def _failed(self, request_id: str, error: Exception, started: bool) -> Exception:
+        if isinstance(error, StreamModeViolation):
+            self._health = Health(False, error.message)
+            return error
+        if isinstance(error, ValueError):  # SGLang validates on the first iteration (§2)
             if not started:  # SGLang's own validation: its words are for the client
-                raise InvalidRequestError(str(err)) from None
-            log.error("SGLang failed generating %s: %s", request.request_id, err)
-            raise EngineError("The engine failed while generating") from None
-        except StreamModeViolation as err:
-            self._health = Health(False, err.message)
-            raise
-        finally:
-            self._abort_wanted.discard(request.request_id)
-            if not finished:
-                # Closing the generator aborts the request only from 0.5.20 on; before that the
-                # scheduler ran it to max_tokens for nobody. The tokenizer manager's abort works on
-                # every generation (and is a no-op for a request that has already finished).
-                self._engine.tokenizer_manager.abort_request(request.request_id)
-            await generator.aclose()
+                return InvalidRequestError(str(error))
+            log.error("SGLang failed generating %s: %s", request_id, error)
+            return EngineError("The engine failed while generating")
+        return error
+
+
+class _Generation(ItemStream):
+    """One SGLang generation: SGLang's own items, converted one by one (`ChoiceStream.convert`)."""
+
+    def __init__(self, adapter: SGLangEngine, request: GenerationRequest) -> None:
+        self.adapter = adapter
+        self.request = request
+        want_logprobs = request.sampling.logprobs is not None
+        self.convert = ChoiceStream(adapter._shape, adapter._piece, want_logprobs).convert
+        self.generator: Any = None
+
+    async def open(self) -> AsyncIterator[Any]:
+        params = self.request.sampling
+        want_logprobs = params.logprobs is not None
+        self.generator = await self.adapter._engine.async_generate(
+            input_ids=list(self.request.prompt_ids), sampling_params=sampling_params(params), stream=True,
+            return_logprob=want_logprobs, top_logprobs_num=(params.logprobs or 0) if want_logprobs else None,
+            rid=self.request.request_id,
+        )
+        return self.generator  # type: ignore[no-any-return]
+
+    def first_item(self) -> None:
+        if self.request.request_id in self.adapter._abort_wanted:
+            # asked before SGLang had registered the request, when abort_request is a no-op
+            self.adapter._engine.tokenizer_manager.abort_request(self.request.request_id)
+
+    def failed(self, error: Exception, started: bool) -> Exception:
+        return self.adapter._failed(self.request.request_id, error, started)
+
+    async def close(self, finished: bool) -> None:
+        rid = self.request.request_id
+        self.adapter._abort_wanted.discard(rid)
+        if not finished:
+            # Closing the generator aborts the request only from 0.5.20 on; before that the scheduler ran
+            # it to max_tokens for nobody. The tokenizer manager's abort works on every generation (and is
+            # a no-op for a request that has already finished).
+            self.adapter._engine.tokenizer_manager.abort_request(rid)
+        if self.generator is not None:
+            await self.generator.aclose()
 
 
 def _get_serving() -> Any:

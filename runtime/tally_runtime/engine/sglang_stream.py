@@ -10,7 +10,7 @@ loudly instead of relaying it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -47,13 +47,29 @@ class ChoiceStream:
     ids_dropped: int = 0  # ids SGLang counted but never sent (drops_backlog_ids)
     text_emitted: int = 0  # characters, for cumulative text
     logprobs_emitted: int = 0  # entries, for cumulative logprob lists
+    plain: bool = field(init=False)  # deltas of ids and text, no logprobs, no dropped backlog: the common case
+
+    def __post_init__(self) -> None:
+        shape = self.shape
+        self.plain = shape.incremental and not shape.drops_backlog_ids and not self.want_logprobs
 
     def convert(self, item: Mapping[str, Any]) -> Delta:
-        # Runs once per stream item (per token when the reader keeps up): one pass, no copies on the
-        # common path (benchmarks/README.md, relay through the adapter).
+        # Runs once per stream item (per token when the reader keeps up). An unfinished item of a plain
+        # stream whose ids fit the engine's count is taken as it is: one pass, no copies (benchmarks/README.md,
+        # relay through the adapter); everything else goes the general way, which checks and slices.
         meta: Mapping[str, Any] = item.get("meta_info") or _NO_META
         finish = meta.get("finish_reason")
         completion = meta.get("completion_tokens")
+        if finish is None and self.plain:
+            ids = tuple(item.get("output_ids") or ())
+            emitted = self.ids_emitted + len(ids)
+            if completion is None or emitted <= completion:
+                self.ids_emitted = emitted
+                return Delta(item.get("text") or "", ids, None, meta.get("prompt_tokens"), completion,
+                             meta.get("cached_tokens"), meta.get("reasoning_tokens") or None)
+        return self._convert(item, meta, finish, completion)
+
+    def _convert(self, item: Mapping[str, Any], meta: Mapping[str, Any], finish: Any, completion: int | None) -> Delta:
         waiting_abort = finish is not None and _is_waiting_queue_abort(finish, meta)
         ids = self._delta_ids(item.get("output_ids") or (), completion, waiting_abort)
         text = item.get("text") or ""

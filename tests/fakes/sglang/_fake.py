@@ -294,8 +294,13 @@ class Engine:
                              top_logprobs_num: int | None = None, stream: bool = False, rid: str | None = None,
                              **_: Any) -> Any:
         ids = list(input_ids) if input_ids is not None else self.tokenizer_manager.tokenizer.encode(prompt or "")
-        generator = self._stream(ids, dict(sampling_params or {}), return_logprob, top_logprobs_num or 0,
-                                 rid or uuid.uuid4().hex)
+        params, rid = dict(sampling_params or {}), rid or uuid.uuid4().hex
+        config = current()
+        if config.zero_cost and config.generation in "CD" and self._incremental_flag and not return_logprob \
+                and config.coalesce == (1,):
+            generator = self._zero_cost_stream(ids, params, rid)  # the relay benchmark's adapter path
+        else:
+            generator = self._stream(ids, params, return_logprob, top_logprobs_num or 0, rid)
         if stream:
             return generator
         last = None
@@ -308,10 +313,7 @@ class Engine:
     async def _stream(self, ids: list[int], params: dict[str, Any], logprob: bool, top: int,
                       rid: str) -> AsyncIterator[dict[str, Any]]:
         tm = self.tokenizer_manager
-        max_new = int(params.get("max_new_tokens", 128))
-        if len(ids) + max_new > tm.context_len:
-            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
-                             f"{tm.context_len} tokens. You requested a total of {len(ids) + max_new} tokens")
+        self._check_length(ids, params)
         zero_cost = current().zero_cost
         cached = 0 if zero_cost else max((_common_prefix(p, ids) for p in tm.seen_prompts), default=0)
         if not zero_cost:
@@ -345,6 +347,44 @@ class Engine:
         finally:
             if not done:
                 stopped = gen == "D" or rid in tm.abort_requested
+                (tm.aborted if stopped else tm.ghosts).append(rid)
+
+    def _check_length(self, ids: list[int], params: dict[str, Any]) -> None:
+        tm = self.tokenizer_manager
+        total = len(ids) + int(params.get("max_new_tokens", 128))
+        if total > tm.context_len:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                             f"{tm.context_len} tokens. You requested a total of {total} tokens")
+
+    async def _zero_cost_stream(self, ids: list[int], params: dict[str, Any],
+                                rid: str) -> AsyncIterator[dict[str, Any]]:
+        """The zero-cost source as 0.5.10+ incremental streaming packages it, one item per token, in one
+        generator: what costs anything per token is SGLang's item itself (benchmarks/relay.py --adapter).
+        Same items, aborts and bookkeeping as `_stream` over `_zero_cost_steps` with no coalescing."""
+        tm = self.tokenizer_manager
+        self._check_length(ids, params)
+        max_new, prompt, requested = int(params.get("max_new_tokens", 128)), len(ids), tm.abort_requested
+        done = False
+        try:
+            for count in range(1, max_new + 1):
+                finish: dict[str, Any] | None = None
+                if count == max_new:
+                    finish = {"type": "length", "length": max_new}
+                elif rid in requested:
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                if finish is not None:  # booked before the last item: its reader may close us there
+                    done = True
+                    (tm.aborted if finish["type"] == "abort" else tm.finished).append(rid)
+                yield {"text": " tok", "output_ids": [7], "meta_info": {
+                    "id": rid, "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": count,
+                    "cached_tokens": 0, "reasoning_tokens": 0, "weight_version": "default"}}
+                if done:
+                    return
+                if count % 16 == 0:
+                    await asyncio.sleep(0)
+        finally:
+            if not done:
+                stopped = current().generation == "D" or rid in requested
                 (tm.aborted if stopped else tm.ghosts).append(rid)
 
     def _item(self, pending: list[_Step], all_ids: list[int], prompt: list[int], cached: int, rid: str, gen: str,
