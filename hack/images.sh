@@ -94,7 +94,6 @@ build_fakes() { # <archive>: FROM the runtime image (taken back from its archive
   local ctx=$OUT/tmp/fakes start=$SECONDS
   rm -rf "$ctx"; mkdir -p "$ctx"
   (cd "$ROOT" && git ls-files -z tests/fakes | xargs -0 cp --parents -t "$ctx")
-  "$PY" -m pip wheel --quiet --wheel-dir "$ctx/wheels" "msgspec>=0.18"
   "${BUILDAH[@]}" inspect --type image "tally-runtime:$VERSION" >/dev/null 2>&1 \
     || "${BUILDAH[@]}" pull --quiet "docker-archive:$RUNTIME" >/dev/null
   "${BUILDAH[@]}" bud --quiet --isolation chroot --build-arg "RUNTIME=tally-runtime:$VERSION" \

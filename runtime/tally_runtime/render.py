@@ -18,8 +18,8 @@ from tally_runtime.usage import ChoiceUsage
 
 
 class EventRenderer:
-    """Call it once per delta, right after that delta was accounted in `usage`: running usage
-    (`continuous_usage_stats`) is then the count as of that very chunk."""
+    """`add` each delta right after it was accounted in `usage` (running usage, `continuous_usage_stats`,
+    is then the count as of that very chunk); `take` the events added since the last take."""
 
     def __init__(self, job: Job, usage: Sequence[ChoiceUsage]) -> None:
         self.job = job
@@ -28,15 +28,22 @@ class EventRenderer:
         self.opened: set[int] = set()
         # Per opened choice, unless every chunk carries running usage (then no two chunks share bytes).
         self.templates: dict[int, Callable[[str], bytes]] = {}
+        self.out: list[bytes] = []
 
-    def __call__(self, out: list[bytes], index: int, delta: Delta) -> None:
-        """Append the events of one delta to `out`."""
+    def add(self, index: int, delta: Delta) -> None:
+        """Render the events of one delta (once per token when the client keeps up: a bound method, kept
+        lean)."""
         template = self.templates.get(index)
         if template is not None and delta.finish_reason is None and delta.logprobs is None:
             if delta.text:
-                out.append(template(delta.text))
+                self.out.append(template(delta.text))
             return
-        out.extend(sse.event(event) for event in self._dicts(index, delta))
+        self.out.extend(sse.event(event) for event in self._dicts(index, delta))
+
+    def take(self) -> bytes:
+        """The events added since the last take, as one write (empty if none)."""
+        out, self.out = self.out, []
+        return b"".join(out)
 
     def _dicts(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         job = self.job

@@ -21,7 +21,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 from typing import Any
 
 from tally_runtime import contract, sse
@@ -208,21 +207,21 @@ class Run:
         """Usage, finish reason and token latency for one batch; `each` sees every delta right after it
         was counted. Returns an engine's abort as an error, once the whole batch is counted: the other
         choices' deltas in it are passed on, only the aborted choice's last delta is not."""
-        tokens: dict[int, int] = {}
         failure = None
         usage = self.usage
+        unsent = [choice.ids_streamed for choice in usage]  # ids before this batch, and an abort's last ones
         for index, delta in batch:  # once per token when the client keeps up: kept lean
             usage[index].observe(delta)
             finish = delta.finish_reason
             if finish is not None:
                 if finish is FinishReason.ABORT:
                     failure = failure or EngineError("The engine aborted the generation", 500)
+                    unsent[index] += len(delta.token_ids)
                     continue
                 self.finish_reason = str(finish)
-            if delta.token_ids:
-                tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
             each(index, delta)
-        self._timed(tokens)
+        self._timed({index: choice.ids_streamed - unsent[index] for index, choice in enumerate(usage)
+                     if choice.ids_streamed != unsent[index]})
         return failure
 
     def _timed(self, tokens: dict[int, int]) -> None:
@@ -315,10 +314,10 @@ class Run:
             # One write per batch: when the client lags, the deltas that piled up go out together,
             # each still its own `data:` event, in order.
             async for batch in self.batches():
-                out: list[bytes] = []
-                failure = self.account(batch, partial(render, out))
-                if out:
-                    yield b"".join(out)
+                failure = self.account(batch, render.add)
+                events = render.take()
+                if events:
+                    yield events
                 if failure is not None:
                     raise failure
             if job.include_usage:

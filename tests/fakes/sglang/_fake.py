@@ -15,7 +15,8 @@ how SGLang *packages* them (SGLANG_CONTRACT.md §1-§3):
   item whose `completion_tokens` counts it (the engine generated and counted it after the last item read);
 - 0.5.10 (C) still sends output logprob lists cumulatively in incremental mode (sliced from 0.5.16 on);
 - `bos_template`: a tokenizer that adds a BOS and a chat template that writes one (Llama-3 style);
-- `zero_cost`: tokens from no model (the relay benchmark's adapter path), packaged as every other.
+- `zero_cost`: tokens (and prompt ids) from no model, for the relay benchmark's adapter path; with
+  incremental streaming on and no coalescing, one generator yields the items as 0.5.10+ packages them.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ class FakeConfig:
     context_len: int = 2048
     aborts: dict[str, tuple[int, str]] = field(default_factory=dict)  # prompt marker -> (after, kind)
     bos_template: bool = False
-    # Tokens from no model at all (one id, one word each): what SGLang does per item is all that costs
-    # anything, for benchmarks/relay.py's adapter path. Requests then run at once, not one at a time.
+    # Tokens from no model at all (one id, one word each; prompts tokenized a word an id): what SGLang does
+    # per item is all that costs anything, for benchmarks/relay.py's adapter path. Requests then run at
+    # once, not one at a time.
     zero_cost: bool = field(default_factory=lambda: os.environ.get("FAKE_SGLANG_ZERO_COST") == "1")
 
     @property
@@ -210,6 +212,8 @@ class _Tokenizer:
         self.model = model
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        if current().zero_cost:  # no model: one id a word, like the tokens it streams
+            return [7] * max(1, len(text.split()))
         forced = current().bos_template
         ids = list(self.model.llama.tokenize(text.encode(), add_bos=add_special_tokens and not forced,
                                              special=not split_special_tokens))

@@ -40,11 +40,15 @@ def test_event_renderer_equals_the_dict_path(endpoint: Endpoint, echo: bool, con
     the_job = job(endpoint, echo=echo and endpoint == COMPLETIONS, continuous=continuous)
     usage = [ChoiceUsage(i, 0, 2) for i in range(2)]
     fast, plain = EventRenderer(the_job, usage), EventRenderer(the_job, usage)
-    fast_out: list[bytes] = []
+    fast_out = b""
     plain_out: list[bytes] = []
     for index, delta in deltas(random.Random(endpoint.name + str(echo) + str(continuous))):
         usage[index].observe(delta)
-        fast(fast_out, index, delta)
+        fast.add(index, delta)
+        if index == 1:
+            fast_out += fast.take()
         plain_out.extend(sse.event(event) for event in plain._dicts(index, delta))
-    assert fast_out == plain_out
+    fast_out += fast.take()
+    assert fast_out == b"".join(plain_out)
+    assert fast.take() == b""
     assert bool(fast.templates) is not continuous  # the fast path was taken, except with running usage
