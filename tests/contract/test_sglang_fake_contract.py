@@ -133,3 +133,62 @@ def test_value_error_on_first_iteration() -> None:
             await gen.__anext__()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("gen", ["C", "D"])
+@pytest.mark.parametrize("abort_after", [None, 5])
+@pytest.mark.parametrize("close_after", [None, 3])
+def test_the_zero_cost_stream_is_the_general_path_in_one_generator(gen: str, abort_after: int | None,
+                                                                   close_after: int | None) -> None:
+    """benchmarks/relay.py's adapter path reads `_zero_cost_stream`: the same items and the same books (what
+    finished, was aborted, or left running for nobody) as `_stream` over `_zero_cost_steps` gives."""
+    sglang.configure(version=GENERATIONS[gen], zero_cost=True)
+
+    async def read(one_generator: bool) -> tuple[list[dict[str, Any]], tuple[list[str], list[str], list[str]]]:
+        engine = sglang.Engine(model_path="m", incremental_streaming_output=True)
+        tm = engine.tokenizer_manager
+        ids, params = [7, 7], {"max_new_tokens": 12}
+        stream = (engine._zero_cost_stream(ids, params, "r.") if one_generator
+                  else engine._stream(ids, params, False, 0, "r."))
+        items = []
+        async for item in stream:
+            items.append(item)
+            if len(items) == abort_after:
+                tm.abort_request("r.")
+            if len(items) == close_after:
+                await stream.aclose()
+                break
+        engine.shutdown()
+        return items, (tm.finished, tm.aborted, tm.ghosts)
+
+    try:
+        general, fast = asyncio.run(read(False)), asyncio.run(read(True))
+    finally:
+        sglang.configure()
+    assert fast == general
+    assert fast[0]  # and it streamed something
+    ended = {"finished": bool(fast[1][0]), "aborted": bool(fast[1][1]), "ghosts": bool(fast[1][2])}
+    if close_after:
+        assert ended == {"finished": False, "aborted": gen == "D", "ghosts": gen == "C"}
+    else:
+        assert ended == {"finished": abort_after is None, "aborted": abort_after is not None, "ghosts": False}
+
+
+def test_the_adapter_reads_the_zero_cost_stream_when_it_applies() -> None:
+    sglang.configure(version=GENERATIONS["D"], zero_cost=True)
+    engine = sglang.Engine(model_path="m", incremental_streaming_output=True)
+
+    async def kinds() -> tuple[str, str]:
+        plain = await engine.async_generate(input_ids=[7], sampling_params={"max_new_tokens": 2}, stream=True)
+        logprobs = await engine.async_generate(input_ids=[7], sampling_params={"max_new_tokens": 2}, stream=True,
+                                               return_logprob=True)
+        names = plain.__qualname__, logprobs.__qualname__  # type: ignore[attr-defined]
+        await plain.aclose()
+        await logprobs.aclose()
+        return names
+
+    try:
+        assert asyncio.run(kinds()) == ("Engine._zero_cost_stream", "Engine._stream")
+    finally:
+        engine.shutdown()
+        sglang.configure()

@@ -2,26 +2,33 @@
 
 2,000 requests at concurrency 48 against two generation slots and a 50 ms queue bound: streams read to the
 end, streams cut after a few chunks, clients that send a request and leave while it waits, n=2, chat and
-plain responses. The engine is the model-free token source (tests/fakes/fast_engine.py) behind the real
-runtime. Each request names itself in `user`, so its usage record can be found: every request has exactly
-one record, every finished one bills what its client was told, an aborted one bills at least what its
-client read, and the records' sums equal /metrics. Afterwards no slot is held, nobody waits, and the
-server still admits.
+plain responses. The engine is a model-free token source behind the real runtime: the CPU-free engine
+(tests/fakes/fast_engine.py), and the SGLang adapter over the contract fake's zero-cost stream (the path
+on which the fan-in pump converts SGLang's items). Each request names itself in `user`, so its usage record
+can be found: every request has exactly one record, every finished one bills what its client was told, an
+aborted one bills at least what its client read, and the records' sums equal /metrics. Afterwards no slot
+is held, nobody waits, and the server still admits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
+import pytest
+import sglang
 from fast_engine import FastEngine
 from runtime_harness import metric_value, serving, sse_payloads, until
 
 from tally_runtime.app import create_app
+from tally_runtime.engine.base import Engine
+from tally_runtime.engine.sglang import SGLangEngine
 from tally_runtime.settings import Settings
 
 REQUESTS = 2000
@@ -105,11 +112,26 @@ def records_of(path: Path) -> dict[str, dict[str, Any]]:
     return by_tenant
 
 
-def test_a_storm_of_mixed_requests_leaks_nothing_and_every_request_is_recorded_once(tmp_path: Path) -> None:
-    records_file = tmp_path / "records.jsonl"
+@pytest.fixture(params=["fast", "sglang"])
+def engine_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Engine, Settings]]:
     settings = Settings(max_concurrent_generations=2, max_queue_seconds=0.05, max_queued_requests=64,
-                        usage_records=False, usage_records_file=str(records_file))
-    with serving(create_app(settings, FastEngine(seconds_per_token=0.001))) as url:
+                        usage_records=False, usage_records_file=str(tmp_path / "records.jsonl"))
+    if request.param == "fast":
+        yield FastEngine(seconds_per_token=0.001), settings
+        return
+    sglang.configure(zero_cost=True, token_seconds=0.001)
+    try:
+        settings = dataclasses.replace(settings, engine="sglang", model_path="/models/fake")
+        yield SGLangEngine(settings.engine_config()), settings
+    finally:
+        sglang.configure()
+
+
+def test_a_storm_of_mixed_requests_leaks_nothing_and_every_request_is_recorded_once(
+        engine_settings: tuple[Engine, Settings]) -> None:
+    engine, settings = engine_settings
+    records_file = Path(settings.usage_records_file)
+    with serving(create_app(settings, engine)) as url:
         sent = asyncio.run(storm(url))
 
         def settled() -> bool:

@@ -55,21 +55,30 @@ class ChoiceStream:
 
     def convert(self, item: Mapping[str, Any]) -> Delta:
         # Runs once per stream item (per token when the reader keeps up). An unfinished item of a plain
-        # stream whose ids fit the engine's count is taken as it is: one pass, no copies (benchmarks/README.md,
-        # relay through the adapter); everything else goes the general way, which checks and slices.
+        # stream, with every field there and ids that fit the engine's count, is taken as it is: one pass,
+        # no copies (benchmarks/README.md, relay through the adapter). Everything else, a missing or odd
+        # field included, goes the general way, which checks and slices; both give the same delta.
+        if self.plain:
+            try:
+                meta = item["meta_info"]
+                if meta["finish_reason"] is None:
+                    ids = tuple(item["output_ids"])
+                    completion = meta["completion_tokens"]
+                    emitted = self.ids_emitted + len(ids)
+                    if emitted <= completion:
+                        delta = Delta(item["text"] or "", ids, None, meta["prompt_tokens"], completion,
+                                      meta.get("cached_tokens"), meta.get("reasoning_tokens") or None)
+                        self.ids_emitted = emitted  # last: a missing field above leaves nothing changed
+                        return delta
+            except (KeyError, TypeError):
+                pass
+        return self.convert_general(item)
+
+    def convert_general(self, item: Mapping[str, Any]) -> Delta:
+        """Any item of any shape (what `convert` does when its plain case does not apply)."""
         meta: Mapping[str, Any] = item.get("meta_info") or _NO_META
         finish = meta.get("finish_reason")
         completion = meta.get("completion_tokens")
-        if finish is None and self.plain:
-            ids = tuple(item.get("output_ids") or ())
-            emitted = self.ids_emitted + len(ids)
-            if completion is None or emitted <= completion:
-                self.ids_emitted = emitted
-                return Delta(item.get("text") or "", ids, None, meta.get("prompt_tokens"), completion,
-                             meta.get("cached_tokens"), meta.get("reasoning_tokens") or None)
-        return self._convert(item, meta, finish, completion)
-
-    def _convert(self, item: Mapping[str, Any], meta: Mapping[str, Any], finish: Any, completion: int | None) -> Delta:
         waiting_abort = finish is not None and _is_waiting_queue_abort(finish, meta)
         ids = self._delta_ids(item.get("output_ids") or (), completion, waiting_abort)
         text = item.get("text") or ""

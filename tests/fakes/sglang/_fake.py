@@ -63,6 +63,7 @@ class FakeConfig:
     # per item is all that costs anything, for benchmarks/relay.py's adapter path. Requests then run at
     # once, not one at a time.
     zero_cost: bool = field(default_factory=lambda: os.environ.get("FAKE_SGLANG_ZERO_COST") == "1")
+    token_seconds: float = 0.0  # zero_cost only: a pause per token, for tests that must catch a stream mid-way
 
     @property
     def generation(self) -> str:
@@ -368,6 +369,7 @@ class Engine:
         tm = self.tokenizer_manager
         self._check_length(ids, params)
         max_new, prompt, requested = int(params.get("max_new_tokens", 128)), len(ids), tm.abort_requested
+        pause = current().token_seconds
         done = False
         try:
             for count in range(1, max_new + 1):
@@ -384,7 +386,9 @@ class Engine:
                     "cached_tokens": 0, "reasoning_tokens": 0, "weight_version": "default"}}
                 if done:
                     return
-                if count % 16 == 0:
+                if pause:
+                    await asyncio.sleep(pause)
+                elif count % 16 == 0:
                     await asyncio.sleep(0)
         finally:
             if not done:
@@ -440,7 +444,9 @@ class Engine:
             yield step
             if finish is not None:
                 return
-            if count % 16 == 0:
+            if current().token_seconds:
+                await asyncio.sleep(current().token_seconds)
+            elif count % 16 == 0:
                 await asyncio.sleep(0)
 
     async def _steps(self, prompt: list[int], params: dict[str, Any], logprob: bool, top: int,

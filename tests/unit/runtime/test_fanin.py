@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 
-from tally_runtime.engine.base import Delta, EngineError, FinishReason, GenerationRequest, SamplingParams
+from tally_runtime.engine.base import (
+    Delta,
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    ItemStream,
+    SamplingParams,
+)
 from tally_runtime.fanin import Batch, Choices
 
 
@@ -116,3 +124,101 @@ async def test_an_engine_that_ignores_the_abort_is_cancelled_after_the_bound() -
     await anext(choices.batches())
     late = await choices.abort(settle_seconds=0.05)
     assert all(d.finish_reason is None for _, d in late) and engine.closed == ["a"]
+
+
+# ---- an engine whose generations are ItemStreams: the pump reads the items and converts them itself
+
+
+class CountingItems(ItemStream):
+    """Items are counts 1..`count`; the last finishes. Raises `error` after `fail_after` items. Records its
+    calls, so a test sees the order of open, first_item, convert and close."""
+
+    def __init__(self, count: int, error: Exception | None = None, fail_after: int = 0) -> None:
+        self.count, self.error, self.fail_after = count, error, fail_after
+        self.calls: list[str] = []
+        self.convert = self._convert
+
+    async def open(self) -> AsyncIterator[Any]:
+        self.calls.append("open")
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[int]:
+        for n in range(1, self.count + 1):
+            if self.error is not None and n > self.fail_after:
+                raise self.error
+            yield n
+            await asyncio.sleep(0)
+
+    def _convert(self, n: int) -> Delta:
+        self.calls.append(f"convert {n}")
+        return Delta(text=f"t{n}", token_ids=(n,), completion_tokens=n,
+                     finish_reason=FinishReason.LENGTH if n == self.count else None)
+
+    def first_item(self) -> None:
+        self.calls.append("first")
+
+    def failed(self, error: Exception, started: bool) -> Exception:
+        return EngineError(f"mapped {type(error).__name__} started={started}", 502)
+
+    async def close(self, finished: bool) -> None:
+        self.calls.append(f"close finished={finished}")
+
+
+class ItemsEngine:
+    def __init__(self, **streams: CountingItems) -> None:
+        self.streams = streams
+        self.aborted: set[str] = set()
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def generate(self, request: GenerationRequest) -> ItemStream:
+        return self.streams[request.request_id]
+
+
+async def read_directly(stream: CountingItems) -> tuple[list[Delta], Exception | None]:
+    out: list[Delta] = []
+    try:
+        async for delta in stream:
+            out.append(delta)
+    except EngineError as err:
+        return out, err
+    return out, None
+
+
+async def read_through_the_pump(stream: CountingItems) -> tuple[list[Delta], Exception | None]:
+    out: list[Delta] = []
+    try:
+        async for batch in Choices(ItemsEngine(a=stream), requests("a")).batches():  # type: ignore[arg-type]
+            out.extend(d for _, d in batch)
+    except EngineError as err:
+        return out, err
+    return out, None
+
+
+@pytest.mark.parametrize("read", [read_directly, read_through_the_pump])
+async def test_an_item_stream_is_converted_item_by_item_and_closed_as_finished(read: Any) -> None:
+    stream = CountingItems(3)
+    deltas, error = await read(stream)
+    assert error is None and [d.text for d in deltas] == ["t1", "t2", "t3"]
+    assert stream.calls == ["open", "first", "convert 1", "convert 2", "convert 3", "close finished=True"]
+
+
+@pytest.mark.parametrize("read", [read_directly, read_through_the_pump])
+@pytest.mark.parametrize(("fail_after", "started"), [(0, False), (2, True)])
+async def test_an_item_streams_error_is_what_the_adapter_makes_of_it(read: Any, fail_after: int,
+                                                                      started: bool) -> None:
+    stream = CountingItems(5, ValueError("engine says no"), fail_after)
+    deltas, error = await read(stream)
+    assert [d.text for d in deltas] == [f"t{n}" for n in range(1, fail_after + 1)]
+    assert isinstance(error, EngineError) and error.message == f"mapped ValueError started={started}"
+    assert stream.calls[-1] == "close finished=False"  # not finished: the adapter aborts it in the engine
+
+
+async def test_an_item_stream_cancelled_mid_way_is_closed_unfinished() -> None:
+    stream = CountingItems(1000)
+    choices = Choices(ItemsEngine(a=stream), requests("a"))  # type: ignore[arg-type]
+    await anext(choices.batches())
+    await choices.cancel()
+    assert stream.calls[:2] == ["open", "first"] and stream.calls[-1] == "close finished=False"
+    assert stream.calls.count("first") == 1
