@@ -354,6 +354,12 @@ def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stac
                 "adapter_cpu_vs_tally": ratio(r["tally-sglang"][c]["cpu_s_per_1k_tokens"],
                                               r["tally"][c]["cpu_s_per_1k_tokens"]),
                 "adapter_p99_gap_vs_tally": ratio(r["tally-sglang"][c]["gap_p99_us"], r["tally"][c]["gap_p99_us"]),
+                "adapter_throughput_vs_ceiling": ratio(r["tally-sglang"][c]["tokens_per_s"],
+                                                       r["ceiling"][c]["tokens_per_s"]),
+                "adapter_cpu_vs_ceiling": ratio(r["tally-sglang"][c]["cpu_s_per_1k_tokens"],
+                                                r["ceiling"][c]["cpu_s_per_1k_tokens"]),
+                "adapter_p99_gap_vs_ceiling": ratio(r["tally-sglang"][c]["gap_p99_us"],
+                                                    r["ceiling"][c]["gap_p99_us"]),
             }
     report["ratios"] = ratios
     return report
@@ -389,7 +395,9 @@ def main() -> None:
               f"CPU per token {r['cpu_vs_ceiling']:.2f}x ceiling, {r['cpu_vs_pydantic']:.2f}x pydantic; "
               f"p99 gap {r['p99_gap_vs_ceiling']:.2f}x ceiling (per read {r['p99_read_gap_vs_ceiling']:.2f}x)"
               + (f"; adapter vs tally: {r['adapter_throughput_vs_tally']:.2f}x throughput, "
-                 f"{r['adapter_cpu_vs_tally']:.2f}x CPU, {r['adapter_p99_gap_vs_tally']:.2f}x p99 gap"
+                 f"{r['adapter_cpu_vs_tally']:.2f}x CPU, {r['adapter_p99_gap_vs_tally']:.2f}x p99 gap; "
+                 f"adapter vs ceiling: {r['adapter_throughput_vs_ceiling']:.2f}x throughput, "
+                 f"{r['adapter_cpu_vs_ceiling']:.2f}x CPU, {r['adapter_p99_gap_vs_ceiling']:.2f}x p99 gap"
                  if "adapter_cpu_vs_tally" in r else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -7,14 +7,18 @@ template cut from that same dict path (`sse.text_template`), so the two cannot d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from tally_runtime import sse
 from tally_runtime.engine.base import Delta
 from tally_runtime.prepare import Job
 from tally_runtime.streaming import ChatChunks
 from tally_runtime.usage import ChoiceUsage
+
+_dumps = orjson.dumps
 
 
 class EventRenderer:
@@ -27,7 +31,7 @@ class EventRenderer:
         self.chunks = job.endpoint.chunks(job.header)
         self.opened: set[int] = set()
         # Per opened choice, unless every chunk carries running usage (then no two chunks share bytes).
-        self.templates: dict[int, Callable[[str], bytes]] = {}
+        self.templates: dict[int, tuple[bytes, bytes]] = {}
         self.out: list[bytes] = []
 
     def add(self, index: int, delta: Delta) -> None:
@@ -35,8 +39,11 @@ class EventRenderer:
         lean)."""
         template = self.templates.get(index)
         if template is not None and delta.finish_reason is None and delta.logprobs is None:
-            if delta.text:
-                self.out.append(template(delta.text))
+            if delta.text:  # the event's three parts; `take` joins them (no bytes built per event)
+                out = self.out
+                out.append(template[0])
+                out.append(_dumps(delta.text))
+                out.append(template[1])
             return
         self.out.extend(sse.event(event) for event in self._dicts(index, delta))
 

@@ -6,7 +6,6 @@ framing is built here by hand rather than by an SSE library with other defaults.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -29,19 +28,18 @@ def event(payload: dict[str, Any]) -> bytes:
 TEXT_MARK = "\u0000tally:text\u0000"  # stands for the text in a template chunk; no real chunk holds it
 
 
-def text_template(payload: dict[str, Any]) -> Callable[[str], bytes] | None:
-    """Events like `payload` with `TEXT_MARK` replaced by a text, without building or dumping a dict.
+def text_template(payload: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    """The bytes around the text in events like `payload` (TEXT_MARK standing for the text): an event for
+    a text is then `prefix`, `orjson.dumps(text)`, `suffix`, without building or dumping a dict.
 
     The template is cut from `event(payload)` itself, so it cannot drift from the dict path: for any
-    text, `text_template(p)(text) == event(p with TEXT_MARK replaced by text)`. None when the mark is
-    not in the payload exactly once.
+    text, `prefix + orjson.dumps(text) + suffix == event(p with TEXT_MARK replaced by text)`. None when
+    the mark is not in the payload exactly once.
     """
     parts = event(payload).split(orjson.dumps(TEXT_MARK))
     if len(parts) != 2:
         return None
-    prefix, suffix = parts
-    dumps = orjson.dumps
-    return lambda text: prefix + dumps(text) + suffix
+    return parts[0], parts[1]
 
 
 def error_event(message: str, code: int | str | None = 500) -> bytes:
