@@ -51,7 +51,7 @@ lint: install
 	$(PY) -m ruff check . && $(PY) -m mypy
 
 bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/README.md)
-	$(PY) benchmarks/relay.py --streams 1,8 --tokens 256 --repeats 1 --min-tokens 0
+	$(PY) benchmarks/relay.py --streams 1,8 --tokens 256 --repeats 1 --min-tokens 0 --adapter
 	$(PY) benchmarks/usage_truth.py --streams 16 --tokens 4
 	$(PY) benchmarks/operator_scale.py --services 0 --pods 50
 	$(PY) benchmarks/journal.py --streams 1 --tokens 1 --requests 100 --repeats 1
