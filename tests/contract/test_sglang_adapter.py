@@ -17,8 +17,9 @@ from fake_sglang import GENERATIONS
 from runtime_harness import metric_value, serving, sse_payloads
 
 from tally_runtime.app import create_app
-from tally_runtime.engine.base import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
+from tally_runtime.engine.base import Delta, FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
 from tally_runtime.engine.sglang import SGLangEngine
+from tally_runtime.fanin import Choices
 from tally_runtime.settings import Settings
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -245,3 +246,35 @@ def test_a_message_cannot_forge_role_tokens_through_the_sglang_tokenizer() -> No
             return int(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"])
 
         assert prompt_tokens("Hello there<|im_start|>") - prompt_tokens("Hello there") > 1
+
+
+@pytest.mark.parametrize("gen", ["C", "D"])
+def test_an_abort_sglang_ignored_while_tokenizing_is_sent_again_at_the_first_item(gen: str) -> None:
+    """The client leaves while SGLang is still tokenizing its request: abort_request is a no-op then (the rid
+    is not in rid_to_state yet). The adapter remembers it and sends it again once the first item shows the
+    request registered, so the request ends at once, billed as far as SGLang generated it, instead of
+    running to max_tokens for nobody."""
+    sglang.configure(version=GENERATIONS[gen], zero_cost=True, token_seconds=0.001)
+    engine = SGLangEngine(settings().engine_config())
+
+    async def go() -> tuple[list[Delta], Any]:
+        await engine.start()
+        manager = engine._engine.tokenizer_manager
+        choices = Choices(engine, [GenerationRequest("early.", (7, 7), SamplingParams(max_tokens=2000))])
+        for _ in range(100):  # the pump opens the stream and SGLang starts tokenizing: a few loop turns
+            if "early." in manager.tokenizing:
+                break
+            await asyncio.sleep(0)
+        assert "early." in manager.tokenizing, "never caught the request while SGLang tokenized it"
+        engine.abort("early.")
+        assert manager.ignored_aborts == ["early."]  # SGLang did not take it
+        deltas = [d async for batch in choices.batches() for _, d in batch]
+        return deltas, manager
+
+    try:
+        deltas, manager = asyncio.run(go())
+    finally:
+        sglang.configure()
+    assert deltas[-1].finish_reason is FinishReason.ABORT
+    assert len(deltas) <= 3 and deltas[-1].completion_tokens == sum(len(d.token_ids) for d in deltas)
+    assert "early." in manager.aborted and manager.ghosts == []

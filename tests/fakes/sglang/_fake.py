@@ -13,6 +13,8 @@ how SGLang *packages* them (SGLANG_CONTRACT.md §1-§3):
   running it unless `tokenizer_manager.abort_request(rid)` is called (recorded as `ghosts`);
 - `abort_request(rid)` of a stream still being read: the next step's token comes in a final graceful-abort
   item whose `completion_tokens` counts it (the engine generated and counted it after the last item read);
+  of an rid not in rid_to_state (still being tokenized on the stream's first iteration, or already ended):
+  a no-op, recorded in `ignored_aborts` (§11);
 - 0.5.10 (C) still sends output logprob lists cumulatively in incremental mode (sliced from 0.5.16 on);
 - `bos_template`: a tokenizer that adds a BOS and a chat template that writes one (Llama-3 style);
 - `zero_cost`: tokens (and prompt ids) from no model, for the relay benchmark's adapter path; with
@@ -262,14 +264,19 @@ class TokenizerManager:
         self.finished: list[str] = []
         self.ghosts: list[str] = []  # closed by the caller but left running in the scheduler (A-C)
         self.abort_requested: set[str] = set()
+        self.tokenizing: set[str] = set()  # streams started, their requests not yet sent to the scheduler
+        self.registered: set[str] = set()  # rid_to_state: sent, not yet ended
+        self.ignored_aborts: list[str] = []  # abort_request for an rid not in rid_to_state (§11: a no-op)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         # Before 0.5.20 a closed stream's rid stays in rid_to_state until it finishes: the abort still lands.
         if rid in self.ghosts:
             self.ghosts.remove(rid)
             self.aborted.append(rid)
-        else:
+        elif rid in self.registered:
             self.abort_requested.add(rid)
+        else:  # still being tokenized, or already ended: returns early
+            self.ignored_aborts.append(rid)
 
 
 class Engine:
@@ -319,6 +326,7 @@ class Engine:
                       rid: str) -> AsyncIterator[dict[str, Any]]:
         tm = self.tokenizer_manager
         self._check_length(ids, params)
+        await self._dispatch(rid)
         zero_cost = current().zero_cost
         cached = 0 if zero_cost else max((_common_prefix(p, ids) for p in tm.seen_prompts), default=0)
         if not zero_cost:
@@ -350,9 +358,21 @@ class Engine:
                     if done:
                         return
         finally:
+            tm.registered.discard(rid)
             if not done:
                 stopped = gen == "D" or rid in tm.abort_requested
                 (tm.aborted if stopped else tm.ghosts).append(rid)
+
+    async def _dispatch(self, rid: str) -> None:
+        """Tokenize (an await: the request is not in rid_to_state yet, so an abort of it is a no-op), then
+        send the request to the scheduler: from here `abort_request(rid)` lands."""
+        tm = self.tokenizer_manager
+        tm.tokenizing.add(rid)
+        try:
+            await asyncio.sleep(0)
+        finally:
+            tm.tokenizing.discard(rid)
+        tm.registered.add(rid)
 
     def _check_length(self, ids: list[int], params: dict[str, Any]) -> None:
         tm = self.tokenizer_manager
@@ -368,6 +388,7 @@ class Engine:
         Same items, aborts and bookkeeping as `_stream` over `_zero_cost_steps` with no coalescing."""
         tm = self.tokenizer_manager
         self._check_length(ids, params)
+        await self._dispatch(rid)
         max_new, prompt, requested = int(params.get("max_new_tokens", 128)), len(ids), tm.abort_requested
         pause = current().token_seconds
         done = False
@@ -391,6 +412,7 @@ class Engine:
                 elif count % 16 == 0:
                     await asyncio.sleep(0)
         finally:
+            tm.registered.discard(rid)
             if not done:
                 stopped = current().generation == "D" or rid in requested
                 (tm.aborted if stopped else tm.ghosts).append(rid)
