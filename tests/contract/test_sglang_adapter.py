@@ -131,7 +131,8 @@ def test_abort_with_status_is_an_engine_error_in_band() -> None:
     sglang.configure(version=GENERATIONS["D"], aborts={"timeout": (3, "status")})
     with serving(create_app(settings(), SGLangEngine(settings().engine_config()))) as url:
         events = sse_payloads(httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "prompt": "this will timeout", "max_tokens": 9, "stream": True}).content)
+            "prompt": "this will timeout", "max_tokens": 9, "stream": True,
+            "ignore_eos": True}).content)  # sampled at temperature 1: an early EOS would end it before the abort
         assert events[-2]["error"]["code"] == 503 and "timeout" in events[-2]["error"]["message"]
         assert events[-1] == "[DONE]"
 
