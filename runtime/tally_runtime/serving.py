@@ -207,21 +207,21 @@ class Run:
         """Usage, finish reason and token latency for one batch; `each` sees every delta right after it
         was counted. Returns an engine's abort as an error, once the whole batch is counted: the other
         choices' deltas in it are passed on, only the aborted choice's last delta is not."""
+        tokens: dict[int, int] = {}
         failure = None
         usage = self.usage
-        unsent = [choice.ids_streamed for choice in usage]  # ids before this batch, and an abort's last ones
         for index, delta in batch:  # once per token when the client keeps up: kept lean
             usage[index].observe(delta)
             finish = delta.finish_reason
             if finish is not None:
                 if finish is FinishReason.ABORT:
                     failure = failure or EngineError("The engine aborted the generation", 500)
-                    unsent[index] += len(delta.token_ids)
                     continue
                 self.finish_reason = str(finish)
+            if delta.token_ids:
+                tokens[index] = tokens.get(index, 0) + len(delta.token_ids)
             each(index, delta)
-        self._timed({index: choice.ids_streamed - unsent[index] for index, choice in enumerate(usage)
-                     if choice.ids_streamed != unsent[index]})
+        self._timed(tokens)
         return failure
 
     def _timed(self, tokens: dict[int, int]) -> None:

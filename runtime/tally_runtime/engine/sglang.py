@@ -236,16 +236,15 @@ class _Generation(ItemStream):
     def __init__(self, adapter: SGLangEngine, request: GenerationRequest) -> None:
         self.adapter = adapter
         self.request = request
-        want_logprobs = request.sampling.logprobs is not None
-        self.convert = ChoiceStream(adapter._shape, adapter._piece, want_logprobs).convert
+        self.want_logprobs = request.sampling.logprobs is not None
+        self.convert = ChoiceStream(adapter._shape, adapter._piece, self.want_logprobs).convert
         self.generator: Any = None
 
     async def open(self) -> AsyncIterator[Any]:
         params = self.request.sampling
-        want_logprobs = params.logprobs is not None
         self.generator = await self.adapter._engine.async_generate(
             input_ids=list(self.request.prompt_ids), sampling_params=sampling_params(params), stream=True,
-            return_logprob=want_logprobs, top_logprobs_num=(params.logprobs or 0) if want_logprobs else None,
+            return_logprob=self.want_logprobs, top_logprobs_num=params.logprobs if self.want_logprobs else None,
             rid=self.request.request_id,
         )
         return self.generator  # type: ignore[no-any-return]
