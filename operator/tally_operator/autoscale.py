@@ -12,6 +12,12 @@ current count. Two things are GPU-specific:
 - a pod the scheduler cannot place (no GPU free) stops growth altogether and says so (`CapacityUnavailable`)
   instead of asking for ever more pods that will not run.
 
+What it cannot see it does not decide on (Knative makes no decision without data; the HPA takes missing
+pods as at target when scaling down): a pod whose /metrics could not be read counts as exactly at target
+(it asks for neither more pods nor fewer), a round that read no pod adds nothing to the history, and no
+round scales down to more pods than it read. A scale-down removes at most half the pods per step
+(Knative's maximum scale-down rate of 2), and every number a spec can hold gives a decision, never an error.
+
 Defaults (and why they differ from KPA's 60 s stable / 6 s panic, AIBrix's 180 s / 60 s and 300 s delay):
 a 300 s stable window, a 60 s panic window, at most 2x per step, and a 600 s scale-down delay. A GPU pod takes
 minutes to start and a removed one is expensive to get back, so Tally reacts to bursts as fast as AIBrix but
@@ -25,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tally_operator.conditions import Verdict
+from tally_operator.conditions import SCALING_LIMITED, Verdict  # ScalingLimited: True while held back
 from tally_runtime import contract
 
 # The signals a target can be set on, and the series each is read from (summed over a service's pods).
@@ -35,7 +41,8 @@ SGLANG_QUEUE = "sglangQueue"  # sglang:num_queue_reqs: requests waiting in SGLan
 KV_CACHE = "kvCacheUsage"  # sglang:token_usage: the KV cache in use, a fraction per pod
 METRICS = (QUEUED_REQUESTS, BUSY_SLOTS, SGLANG_QUEUE, KV_CACHE)
 PANIC_THRESHOLD = 2.0  # panic when the panic window asks for this many times the pods running
-SCALING_LIMITED = "ScalingLimited"  # the condition: True while maxReplicas or missing capacity holds it back
+MAX_SCALE_DOWN_RATE = 2.0  # a scale-down keeps at least current / this many pods
+MAX_WANTED = 1_000_000  # more pods than any service runs: what a signal asks for is capped here
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +84,18 @@ def average(history: Sequence[Observation], now: float, window: float) -> float 
     return sum(values) / len(values) if values else None
 
 
+def pods_for(value: float) -> int:
+    """ceil(value), total: for any float (a hostile target makes signal / target infinite), capped."""
+    return math.ceil(value) if value < MAX_WANTED else MAX_WANTED
+
+
 def decide(config: Autoscaling, history: Sequence[Observation], recommendations: Sequence[Recommendation],
-           current: int, ready: int, unschedulable: bool, now: float, since: float) -> Decision:
+           current: int, ready: int, unschedulable: bool, now: float, since: float,
+           read: int | None = None) -> Decision:
     """The replicas to run now. `current` is the replicas asked for so far (pods starting included),
     `ready` those serving; `recommendations` the earlier ones within the delay; `since` when this memory
-    began (no scale-down before it covers the whole delay: a restarted operator is not that sure)."""
+    began (no scale-down before it covers the whole delay: a restarted operator is not that sure); `read`
+    the pods whose signal this round read (None: all of them)."""
     if clamp(current, config) != current:  # the bounds moved (a spec change): follow them at once
         return Decision(clamp(current, config), "Bounds", f"minReplicas {config.min_replicas}, maxReplicas "
                                                           f"{config.max_replicas}: {clamp(current, config)} pod(s)")
@@ -89,8 +103,8 @@ def decide(config: Autoscaling, history: Sequence[Observation], recommendations:
     panic = average(history, now, config.panic_window_seconds)
     if stable is None or panic is None:
         return Decision(clamp(current, config), "NoSignal", "No signal in the stable window: keeping the pods")
-    want_stable = math.ceil(stable / config.target)
-    want_panic = math.ceil(panic / config.target)
+    want_stable = pods_for(stable / config.target)
+    want_panic = pods_for(panic / config.target)
     panicking = current > 0 and want_panic >= PANIC_THRESHOLD * current
     want = max(want_panic, current) if panicking else want_stable
     recommendation = Recommendation(now, clamp(want, config))
@@ -106,7 +120,7 @@ def decide(config: Autoscaling, history: Sequence[Observation], recommendations:
         if ready < current and not panicking:
             return decision(current, "PodsStarting", f"{want} pod(s) wanted; {current - ready} pod(s) still "
                                                      "starting count as capacity that is coming")
-        target = clamp(min(want, max(current + 1, math.ceil(current * config.max_scale_up_rate))), config)
+        target = clamp(min(want, max(current + 1, pods_for(current * config.max_scale_up_rate))), config)
         if target <= current:
             return decision(current, "AtMax", f"{want} pod(s) wanted; maxReplicas is {config.max_replicas}")
         return decision(target, "Panic" if panicking else "ScaleUp",
@@ -118,7 +132,10 @@ def decide(config: Autoscaling, history: Sequence[Observation], recommendations:
         if now - since < config.scale_down_delay_seconds or held >= current:
             return decision(current, "Steady", f"{metric} asks for {want} pod(s); scaling down waits for "
                                                f"{config.scale_down_delay_seconds:g}s of that")
-        target = clamp(held, config)
+        target = clamp(max(held, pods_for(current / MAX_SCALE_DOWN_RATE)), config)
+        if read is not None and read < target:
+            return decision(current, "PodsUnread", f"{metric} asks for {want} pod(s), but only {read} of the pods "
+                                                   f"were read: no scale-down to {target} on what it cannot see")
         return decision(target, "ScaleDown", f"{metric} averaged {stable:.2f} over "
                                              f"{config.stable_window_seconds:g}s: {target} pod(s)")
     return decision(clamp(current, config), "Steady", f"{metric} averaged {stable:.2f}: {current} pod(s)")
@@ -138,10 +155,24 @@ def load_signal(metric: str, loads: Sequence[Mapping[str, float]]) -> float:
     return sum(load.get(name, 0.0) for load in loads for name in names)
 
 
-def deletion_cost(load: Mapping[str, float]) -> int:
+UNREAD_DELETION_COST = 2**31 - 1  # the annotation is an int32: a pod not read may be busy, so it goes last
+
+
+def deletion_cost(load: Mapping[str, float] | None) -> int:
     """`controller.kubernetes.io/pod-deletion-cost` for a pod: the ReplicaSet removes the cheapest first, so
-    an idle pod goes before a busy one (its drain and final read are then the shortest)."""
+    an idle pod goes before a busy one (its drain and final read are then the shortest); a pod whose load
+    was not read (None) may be the busiest, so it goes last."""
+    if load is None:
+        return UNREAD_DELETION_COST
     return int(load.get(contract.INFLIGHT_GENERATIONS, 0.0) + load.get(contract.QUEUED_REQUESTS, 0.0))
+
+
+def round_signal(metric: str, target: float, loads: Sequence[Mapping[str, float]], unread: int) -> float | None:
+    """The signal of one round: what the pods read say, with each pod not read counted as at target; None
+    when no pod was read (a blind round is no observation)."""
+    if not loads:
+        return None
+    return load_signal(metric, loads) + unread * target
 
 
 def scaling_verdict(decision: Decision) -> Verdict:

@@ -45,10 +45,13 @@ def transitions(before: Sequence[Condition], after: Sequence[Condition]) -> list
     return changed
 
 
+SCALING_LIMITED = "ScalingLimited"  # autoscale.py's condition
+
+
 def is_bad(condition: Condition) -> bool:
     """Whether a condition's news is bad (a Warning Event): Degraded, unschedulable, or any other False."""
     kind, status = condition["type"], condition["status"]
-    if kind == DEGRADED:
+    if kind in (DEGRADED, SCALING_LIMITED):  # limited scaling is the news; within bounds is good news
         return bool(status == "True")
     if kind == PROGRESSING:
         return bool(condition["reason"] == REASON_UNSCHEDULABLE)

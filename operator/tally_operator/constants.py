@@ -39,6 +39,7 @@ REASON_ROLLING_OUT = "RollingOut"
 REASON_SCALED_TO_ZERO = "ScaledToZero"
 REASON_UNSCHEDULABLE = "Unschedulable"
 REASON_WAITING = "WaitingForPods"
+REASON_SCALING_UP = "ScalingUp"  # more pods asked for than run: those serving still serve
 REASON_STABLE = "Stable"
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_DEADLINE = "ProgressDeadlineExceeded"

@@ -52,9 +52,15 @@ def final_read_seconds(spec: Spec) -> int:
     return 3 * spec.scrape_interval_seconds + 10
 
 
+# A deleted pod leaves its Service's endpoints at once, but kube-proxy on every node takes a moment to stop
+# sending it new connections: the container gets SIGTERM (and starts closing connections) only after this
+# pause, so a client's reconnect lands on another pod (Kubernetes' preStop sleep action, 1.30+).
+PRE_STOP_SECONDS = 5
+
+
 def grace_seconds(spec: Spec) -> int:
-    """The pod's terminationGracePeriodSeconds: the drain, the final read, and time to exit."""
-    return spec.drain_seconds + final_read_seconds(spec) + 15
+    """The pod's terminationGracePeriodSeconds: the preStop pause, the drain, the final read, time to exit."""
+    return PRE_STOP_SECONDS + spec.drain_seconds + final_read_seconds(spec) + 15
 
 
 def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
@@ -86,13 +92,15 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
             args += ["--mem-fraction-static", str(spec.memory_fraction)]
         if spec.max_running_requests:
             args += ["--max-running-requests", str(spec.max_running_requests)]
-    if spec.engine_args:
-        args.append("--engine-args=" + " ".join(spec.engine_args))
+    # One runtime flag per item, never joined: an item is one SGLang argument however it is spelled
+    args += [f"--engine-arg={arg}" for arg in spec.engine_args]
     return args
 
 
 def _probe(period: int, failures: int) -> Obj:
-    return {"httpGet": {"path": "/health", "port": c.RUNTIME_PORT_NAME}, "periodSeconds": period,
+    """/health on the metrics port: its connections are capped apart from the API's (http_limits.py), so API
+    clients holding every API connection cannot fail the kubelet's probes."""
+    return {"httpGet": {"path": "/health", "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": period,
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
@@ -124,6 +132,7 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
         # Model loads are slow: the startup probe gets the whole budget, liveness only starts after it.
         "startupProbe": _probe(10, max(3, spec.startup_seconds // 10)),
         "readinessProbe": _probe(5, 2),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "livenessProbe": _probe(10, 3),
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "allowPrivilegeEscalation": False,
                             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},

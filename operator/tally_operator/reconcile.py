@@ -35,7 +35,7 @@ from tally_operator.autoscale import (
     clamp,
     decide,
     deletion_cost,
-    load_signal,
+    round_signal,
     scaling_status,
     scaling_verdict,
 )
@@ -103,14 +103,14 @@ class ServiceMemory:
 
 @dataclass
 class Scaling:
-    """Autoscaling's memory: the signal's recent history and recommendations, and the replicas decided.
-    A restarted operator (or a peer taking over) starts afresh: no scale-down until it has watched for a
-    whole scale-down delay."""
+    """Autoscaling's memory: the signal's recent history and recommendations (never the count: that is the
+    Deployment's, read every pass). A restarted operator, a peer taking over, or one that resumes after a
+    pause longer than the stable window starts afresh: no scale-down until it has watched for a whole
+    scale-down delay."""
 
     since: float = field(default_factory=time.monotonic)
     history: tuple[Observation, ...] = ()
     recommendations: tuple[Recommendation, ...] = ()
-    replicas: int | None = None  # None: not decided yet in this process (the Deployment's count holds)
     last_scale_time: str | None = None
 
 
@@ -144,8 +144,10 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     # A pass that sees a generation the status has not observed applies it first: observedGeneration never
     # claims a spec whose children were not written (a status timer can run before the update handler).
     apply_children = apply_children or generation != int(obj["status"].get("observedGeneration") or 0)
-    if spec.autoscaling is not None:  # the operator owns the count: what it decided last (spec.replicas is not it)
-        spec = replace(spec, replicas=await decided_replicas(ctx, meta, spec.autoscaling, memory.scaling))
+    if spec.autoscaling is not None:  # the operator owns the count: the Deployment's (spec.replicas is not it)
+        spec = replace(spec, replicas=await decided_replicas(ctx, meta, spec.autoscaling))
+    elif memory.scaling.history or memory.scaling.recommendations:
+        memory.scaling = Scaling()  # switched off: switched on again, it starts afresh
     try:
         if apply_children:
             await asyncio.to_thread(apply_all, ctx, meta, spec)
@@ -166,7 +168,9 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
     ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
     verdicts = workload_verdicts(spec, deployment, pods)
-    due = scrape_due(memory, spec)
+    # Without our Deployment (deleted with --cascade=orphan, say) its pods are not gone: they are re-adopted
+    # when it is back, so the ledger waits rather than count them lost and then book them whole again
+    due = deployment is not None and scrape_due(memory, spec)
 
     async def observe(current: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
         scraped = await scrape_round(ctx, meta, pods, current) if due else None
@@ -185,22 +189,34 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         await rescale(ctx, body, meta, spec, memory, landed_round, pods)
 
 
-async def decided_replicas(ctx: Context, meta: Mapping[str, str], config: Autoscaling, scaling: Scaling) -> int:
-    if scaling.replicas is None:  # first pass in this process: continue from the Deployment's count
-        deployment = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", meta["name"], meta["namespace"])
-        running = int(((deployment or {}).get("spec") or {}).get("replicas") or config.min_replicas)
-        scaling.replicas = running
-    return clamp(scaling.replicas, config)  # bounds lowered or raised in the spec apply at once
+async def decided_replicas(ctx: Context, meta: Mapping[str, str], config: Autoscaling) -> int:
+    """The count to continue from: the Deployment's, read every pass, never a memory of it (a peer may have
+    scaled since this process last decided, or autoscaling was off and spec.replicas applied meanwhile)."""
+    deployment = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", meta["name"], meta["namespace"])
+    ours = deployment is not None and controller_uid(deployment) == meta["uid"]
+    running = int(((deployment or {}).get("spec") or {}).get("replicas") or 0) if ours else 0
+    return clamp(running or config.min_replicas, config)  # bounds lowered or raised in the spec apply at once
+
+
+def serving_uids(pods: list[dict[str, Any]]) -> list[str]:
+    """The pods a decision is about: ready and not terminating."""
+    return [p["metadata"]["uid"] for p in pods if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
 
 
 def autoscale(config: Autoscaling, current: int, pods: list[dict[str, Any]], scraped: Scraped,
               scaling: Scaling) -> Scraped:
-    """This round's decision, and the memory it leaves (kept only once the status holding it landed)."""
+    """This round's decision, and the memory it leaves (kept only once the status holding it landed). A pod
+    not read counts as at target; a round that read none adds nothing to the history."""
     at = time.monotonic()
-    signal = load_signal(config.metric, [s.load for s in scraped.round.samples.values()])
-    history = tuple(o for o in (*scaling.history, Observation(at, signal)) if o.at > at - config.stable_window_seconds)
+    if scaling.history and at - scaling.history[-1].at > config.stable_window_seconds:
+        scaling = Scaling(since=at, last_scale_time=scaling.last_scale_time)  # paused or blind that long: afresh
+    serving = serving_uids(pods)
+    loads = [scraped.round.samples[uid].load for uid in serving if uid in scraped.round.samples]
+    signal = round_signal(config.metric, config.target, loads, len(serving) - len(loads))
+    observed = (Observation(at, signal),) if signal is not None else ()
+    history = tuple(o for o in (*scaling.history, *observed) if o.at > at - config.stable_window_seconds)
     decision = decide(config, history, scaling.recommendations, current, sum(map(is_ready, pods)),
-                      bool(unschedulable_message(pods)), at, scaling.since)
+                      bool(unschedulable_message(pods)), at, scaling.since, read=len(loads))
     made = (decision.recommendation,) if decision.recommendation else ()
     recommendations = tuple(r for r in (*scaling.recommendations, *made)
                             if r.at > at - config.scale_down_delay_seconds)
@@ -218,14 +234,15 @@ async def rescale(ctx: Context, body: kopf.Body, meta: Mapping[str, str], spec: 
     if decision.replicas == spec.replicas:
         return
     if decision.replicas < spec.replicas:
-        costs = {uid: deletion_cost(sample.load) for uid, sample in scraped.round.samples.items()}
         for pod in pods:
             uid = pod["metadata"]["uid"]
+            sample = scraped.round.samples.get(uid)
+            cost = deletion_cost(sample.load if sample else None if uid in scraped.round.failed else {})
             await asyncio.to_thread(ctx.kube.annotate, "v1", "Pod", pod["metadata"]["name"], meta["namespace"],
-                                    {DELETION_COST: str(costs.get(uid, 0))})
+                                    {DELETION_COST: str(cost)})
     scaled = replace(spec, replicas=decision.replicas)
     await asyncio.to_thread(ctx.kube.apply, desired_deployment(dict(meta), scaled, ctx.settings))
-    memory.scaling = replace(scaling, replicas=decision.replicas, last_scale_time=now())
+    memory.scaling = replace(scaling, last_scale_time=now())
     up = decision.replicas > spec.replicas
     log.info("Scaled %s/%s from %d to %d pod(s): %s", meta["namespace"], meta["name"], spec.replicas,
              decision.replicas, decision.message)
@@ -273,7 +290,7 @@ async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[st
         try:
             if isinstance(result, Exception):
                 raise result
-            samples[uid] = parse_sample(result, expected_pod_uid=uid)
+            samples[uid] = await parse(result, uid)
         except MetricsParseError as err:
             failed.add(uid)
             refused[uid] = str(err)
@@ -282,6 +299,15 @@ async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[st
             log.info("Scraping pod %s of %s/%s failed: %r", uid, meta["namespace"], meta["name"], err)
     urls = {uid: url.removesuffix("/metrics") for uid, url in targets.items()}
     return Scraped(Round(samples, frozenset(failed), present=counted_uids(pods)), urls, refused)
+
+
+PARSE_ON_LOOP_BYTES = 64 << 10  # larger bodies are parsed in a thread: kopf's loop keeps serving meanwhile
+
+
+async def parse(text: str, uid: str) -> PodSample:
+    if len(text) <= PARSE_ON_LOOP_BYTES:
+        return parse_sample(text, expected_pod_uid=uid)
+    return await asyncio.to_thread(parse_sample, text, uid)
 
 
 async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapping[str, Any],

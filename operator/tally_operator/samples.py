@@ -41,6 +41,10 @@ class Counters:
     def plus(self, other: Counters) -> Counters:
         return Counters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
+    def capped(self, limit: float) -> Counters:
+        """Each counter at most `limit` (a total the status can always hold as an exact integer)."""
+        return Counters(**{f.name: min(limit, getattr(self, f.name)) for f in fields(self)})
+
 
 @dataclass(frozen=True, slots=True)
 class PodSample:
@@ -87,6 +91,8 @@ _READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, co
 
 
 MAX_LOAD = 1e9  # no pod queues or runs this many requests: a larger gauge is not to be scaled on
+MAX_COUNT = float(2**53)  # the largest counter read: every whole number up to it is exact in a float
+_COUNTS = {*_COUNTER_NAMES, *_TENANT_NAMES}
 
 
 class MetricsParseError(ValueError):
@@ -109,7 +115,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in _READ:
-                    _check(sample.name, sample.value)
+                    _check(sample.name, sample.value, count=sample.name in _COUNTS)
                 name = _COUNTER_NAMES.get(sample.name)
                 if name == "requests":
                     all_requests += sample.value
@@ -131,10 +137,15 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                 elif sample.name in _TENANT_NAMES:
                     tenant = tenants.setdefault(sample.labels.get("tenant", ""), {})
                     tenant[_TENANT_NAMES[sample.name]] = sample.value
+    except MetricsParseError:
+        raise
     except (ValueError, TypeError, KeyError) as err:
         raise MetricsParseError(f"not Prometheus text: {err}") from None
     if not seen:
         raise MetricsParseError("no Tally usage series in the response")
+    for name, value in [*values.items(), ("requests of every outcome", all_requests)]:  # sums of label sets
+        if value > MAX_COUNT:
+            raise MetricsParseError(f"{name} sums to {value:g}: counters above 2^53 are not a pod's")
     if started is None or started <= 0:
         raise MetricsParseError(f"no {contract.START_TIME}: the counters' epoch is unknown")
     if expected_pod_uid is not None and pod_uid != expected_pod_uid:
@@ -151,9 +162,11 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                      load)
 
 
-def _check(name: str, value: float) -> None:
+def _check(name: str, value: float, count: bool) -> None:
     if not math.isfinite(value) or value < 0:
         raise MetricsParseError(f"{name} is {value}: counters must be finite and not negative")
+    if count and (value > MAX_COUNT or value != int(value)):
+        raise MetricsParseError(f"{name} is {value:g}: a count is a whole number no larger than 2^53")
 
 
 def bounded_tenants(tenants: Mapping[str, Counters], limit: int) -> tuple[dict[str, Counters], int]:

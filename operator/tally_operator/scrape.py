@@ -1,6 +1,8 @@
 """I/O: concurrent, bounded, time-limited HTTP calls to the pods. A slow, dead or hostile pod never stalls
 or breaks the rest: every pod's result is its own (the body, or the exception that ended the attempt),
-and a body larger than `max_bytes` is refused while it streams."""
+and a body larger than `max_bytes` is refused while it streams. Bodies are asked for and counted as sent
+(`Accept-Encoding: identity`, raw bytes): a compressed body would be counted only after it was inflated,
+so a small gzip body could cost hundreds of MiB; one sent compressed anyway is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any, TypeVar
 import httpx
 
 MAX_METRICS_BYTES = 4 << 20  # a runtime's /metrics is a few KB; 100 tenants make it tens of KB
+IDENTITY = {"Accept-Encoding": "identity"}
 T = TypeVar("T")
 
 
@@ -22,10 +25,13 @@ async def scrape(urls: Mapping[str, str], concurrency: int, per_pod_seconds: flo
                  max_bytes: int = MAX_METRICS_BYTES) -> dict[str, str | Exception]:
     """GET every url (key -> url); each result is the body text or the exception that ended the attempt."""
     async def get(client: httpx.AsyncClient, url: str) -> str:
-        async with client.stream("GET", url) as response:
+        async with client.stream("GET", url, headers=IDENTITY) as response:
             response.raise_for_status()
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in {"", "identity"}:
+                raise BodyTooLarge(f"the response is encoded ({encoding[:32]}); only identity is read")
             body = bytearray()
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.aiter_raw():
                 body += chunk
                 if len(body) > max_bytes:
                     raise BodyTooLarge(f"the response is larger than {max_bytes} bytes")

@@ -6,12 +6,13 @@ reason and a sentence a user can act on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tally_operator.autoscale import KV_CACHE, METRICS, SGLANG_QUEUE, Autoscaling
-from tally_runtime.contract import OWNED_ENGINE_ARGS
+from tally_runtime.contract import OWNED_ENGINE_ARGS, engine_args_pattern
 
 
 class SpecError(ValueError):
@@ -113,17 +114,40 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
 FORBIDDEN_ENV_PREFIXES = ("TALLY_", "PYTHON", "LD_")
 
 
+ENGINE_ARG = re.compile(engine_args_pattern())
+MAX_ENGINE_ARGS = 64  # as the CRD says
+
+
 def owned_flag(arg: str) -> str | None:
-    """The owned argument `arg` sets, also when abbreviated (argparse would take `--mem-frac` for
-    `--mem-fraction-static`); the runtime parses engine args without abbreviations, the check is for a
-    clear error here instead of a pod that cannot start."""
-    flag = arg.split("=", 1)[0]
+    """The owned argument `arg` names, also when abbreviated (argparse would take `--mem-frac` for
+    `--mem-fraction-static`): named in the refusal, so the user knows which spec field to use instead."""
+    flag = arg.split("=", 1)[0].strip()
     if not flag.startswith("--") or len(flag) < 4:
         return None
     return next((owned for owned in sorted(OWNED_ENGINE_ARGS) if owned.startswith(flag)), None)
 
 
+def check_engine_args(args: tuple[str, ...]) -> None:
+    """Each item is one allowed option by its full name (contract.ENGINE_ARG_VALUES / _SWITCHES), so nothing
+    a service passes can be read by SGLang as another option, abbreviated or split on whitespace."""
+    if len(args) > MAX_ENGINE_ARGS:
+        raise SpecError("ForbiddenEngineArgument", f"spec.engine.args has {len(args)} items; at most {MAX_ENGINE_ARGS}")
+    owned = sorted({owned for a in args if (owned := owned_flag(a))})
+    if owned:
+        raise SpecError("OwnedEngineArgument",
+                        f"spec.engine.args sets {', '.join(owned)} (or an abbreviation of it), which Tally "
+                        "manages; use the matching spec field instead")
+    refused = [a for a in args if not ENGINE_ARG.fullmatch(a)]
+    if refused:
+        shown = ", ".join(repr(a[:64]) for a in refused[:3])
+        raise SpecError("ForbiddenEngineArgument",
+                        f"spec.engine.args may hold only SGLang options a service may set, one per item, by full "
+                        f"name ('--name=value' or '--name'); refused: {shown}")
+
+
 MAX_SCALING_WINDOW_SECONDS = 3600  # as the CRD says
+MIN_TARGET, MAX_TARGET = 0.001, 1e6  # as the CRD says: a target per pod of any signal fits
+MAX_RATE = 1000.0  # maxScaleUpRate, as the CRD says
 
 
 def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
@@ -141,15 +165,18 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
                                                   "it needs something that holds requests while the first pod starts")
     if scaling.max_replicas < scaling.min_replicas:
         raise SpecError("InvalidSpec", "spec.autoscaling.maxReplicas must be at least minReplicas")
-    if scaling.metric not in METRICS or scaling.target <= 0:
-        raise SpecError("InvalidSpec", f"spec.autoscaling needs a metric of {', '.join(METRICS)} and a positive target")
+    if scaling.metric not in METRICS or not MIN_TARGET <= scaling.target <= MAX_TARGET:
+        raise SpecError("InvalidSpec", f"spec.autoscaling needs a metric of {', '.join(METRICS)} and a target "
+                                       f"from {MIN_TARGET:g} to {MAX_TARGET:g}")
     longest = max(scaling.stable_window_seconds, scaling.scale_down_delay_seconds)
     if longest > MAX_SCALING_WINDOW_SECONDS:  # the operator keeps a sample per scrape over these windows
         raise SpecError("InvalidSpec", f"spec.autoscaling: windows and the scale-down delay are at most "
                                        f"{MAX_SCALING_WINDOW_SECONDS} s (Knative's bound too)")
-    if scaling.panic_window_seconds > scaling.stable_window_seconds or scaling.max_scale_up_rate <= 1:
+    if scaling.panic_window_seconds > scaling.stable_window_seconds or not 1 < scaling.max_scale_up_rate <= MAX_RATE:
         raise SpecError("InvalidSpec", "spec.autoscaling: the panic window must not exceed the stable window, and "
-                                       "maxScaleUpRate must be above 1")
+                                       f"maxScaleUpRate must be above 1 and at most {MAX_RATE:g}")
+    if min(scaling.stable_window_seconds, scaling.panic_window_seconds, scaling.scale_down_delay_seconds) < 0:
+        raise SpecError("InvalidSpec", "spec.autoscaling: windows and the scale-down delay must not be negative")
     return scaling
 
 
@@ -157,11 +184,7 @@ def check(spec: Spec) -> None:
     if spec.autoscaling and spec.autoscaling.metric in {SGLANG_QUEUE, KV_CACHE} and spec.engine_kind != "sglang":
         raise SpecError("InvalidSpec", f"spec.autoscaling.metric {spec.autoscaling.metric} is SGLang's own: the "
                                        f"{spec.engine_kind} engine does not report it")
-    owned = sorted({owned for a in spec.engine_args if (owned := owned_flag(a))})
-    if owned:
-        raise SpecError("OwnedEngineArgument",
-                        f"spec.engine.args sets {', '.join(owned)} (or an abbreviation of it), which Tally "
-                        "manages; use the matching spec field instead")
+    check_engine_args(spec.engine_args)
     for env in spec.env:
         name = str(env.get("name") or "")
         if "valueFrom" in env:

@@ -40,10 +40,18 @@ def workload_verdicts(spec: Spec, deployment: Mapping[str, Any] | None,
     deadline = _deployment_condition(deployment or {}, "Progressing").get("reason") == REASON_DEADLINE_K8S
     failure = _deployment_condition(deployment or {}, "ReplicaFailure")
 
+    # Ready says the service serves at the capacity it has: pods still starting for a scale-up (every pod on
+    # the current template, none of the not-ready ones ever restarted) are Progressing, not a failure
+    not_ready = [p for p in pods if not _pod_ready(p)]
+    scaling_up = bool(current and not rolled_out and 0 < ready < spec.replicas and updated >= total and not_ready
+                      and all(map(_starting, not_ready)))
     if spec.replicas == 0:
         ready_v = Verdict(c.READY, "True", c.REASON_SCALED_TO_ZERO, "Scaled to zero replicas")
     elif rolled_out:
         ready_v = Verdict(c.READY, "True", c.REASON_AVAILABLE, f"{ready} of {spec.replicas} pods ready")
+    elif scaling_up:
+        ready_v = Verdict(c.READY, "True", c.REASON_SCALING_UP,
+                          f"{ready} of {spec.replicas} pods ready; the others are starting")
     else:
         reason = c.REASON_UNSCHEDULABLE if stuck else c.REASON_WAITING
         ready_v = Verdict(c.READY, "False", reason, f"{ready} of {spec.replicas} pods ready")
@@ -52,6 +60,9 @@ def workload_verdicts(spec: Spec, deployment: Mapping[str, Any] | None,
         progressing = Verdict(c.PROGRESSING, "False", c.REASON_STABLE, "The rollout is complete")
     elif stuck:
         progressing = Verdict(c.PROGRESSING, "True", c.REASON_UNSCHEDULABLE, f"Pods cannot be scheduled: {stuck}")
+    elif scaling_up:
+        progressing = Verdict(c.PROGRESSING, "True", c.REASON_SCALING_UP,
+                              f"Scaling up to {spec.replicas} pods, {ready} ready")
     else:
         progressing = Verdict(c.PROGRESSING, "True", c.REASON_ROLLING_OUT,
                               f"{updated} of {spec.replicas} pods updated, {ready} ready")
@@ -66,6 +77,20 @@ def workload_verdicts(spec: Spec, deployment: Mapping[str, Any] | None,
 
 
 REASON_DEADLINE_K8S = "ProgressDeadlineExceeded"
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(cond.get("type") == "Ready" and cond.get("status") == "True"
+               for cond in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _starting(pod: Mapping[str, Any]) -> bool:
+    """A pod that has not served yet: never restarted, not terminating (a pod that was ready and failed is
+    lost capacity, not capacity coming)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return True  # leaving, as in a scale-down: not a failure either
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return all(int(cs.get("restartCount") or 0) == 0 for cs in statuses)
 
 
 def invalid_verdicts(error: SpecError) -> list[Verdict]:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tally_operator.samples import Counters, PodSample, stream_mode
+from tally_operator.samples import MAX_COUNT, Counters, PodSample, stream_mode
 from tally_operator.status import is_ready
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -90,7 +90,8 @@ def book(ledger: Ledger, round_: Round) -> Booking:
     present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
     for gone in sorted(set(readings) - present):
         lost += 0 if readings.pop(gone).final else 1
-    booked = Ledger(readings=readings, totals=ledger.totals.plus(increase), unaccounted=ledger.unaccounted + lost,
+    booked = Ledger(readings=readings, totals=ledger.totals.plus(increase).capped(MAX_COUNT),
+                    unaccounted=ledger.unaccounted + lost,
                     sequence=ledger.sequence + 1, complete=True)
     return Booking(booked, increase, lost, tuple(regressed))
 

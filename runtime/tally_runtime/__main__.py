@@ -6,11 +6,14 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from tally_runtime.auth import KeysFileError
 from tally_runtime.engine.base import Engine
 from tally_runtime.settings import Settings, from_environment
+
+if TYPE_CHECKING:
+    from tally_runtime.http_limits import Connections
 
 USAGE = "usage: tally-runtime serve [--help] [options]"
 
@@ -41,6 +44,7 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from tally_runtime.app import create_app
+    from tally_runtime.http_limits import bounded_protocol
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server: uvicorn.Server | None = None
@@ -49,26 +53,37 @@ def serve(settings: Settings) -> None:
         assert server is not None
         server.should_exit = True
 
+    connections = connections_for(settings)
     try:
-        app = create_app(settings, build_engine(settings), exit_now)
+        app = create_app(settings, build_engine(settings), exit_now, connections)
     except KeysFileError as err:
         fail(str(err))
+    protocol = bounded_protocol(settings.max_header_bytes, settings.header_timeout_seconds,
+                                settings.body_timeout_seconds, connections)
+    # Connections are capped per port by `connections` (uvicorn's own limit counts every port as one). The
+    # graceful shutdown ends connections the drain could not (a client that stopped reading) in time for
+    # the pod's grace period.
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                           access_log=False, limit_concurrency=settings.max_connections,
-                                           **http_protocol(settings)))
+                                           access_log=False, http=protocol,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS))
     sockets = [listening_socket(settings.host, settings.port)]
     if settings.metrics_port:
         sockets.append(listening_socket(settings.host, settings.metrics_port))
     server.run(sockets=sockets)
 
 
-def http_protocol(settings: Settings) -> dict[str, Any]:
-    """httptools with the head bounded (http_limits.py); h11, which bounds the head's size itself, without it."""
-    try:
-        from tally_runtime.http_limits import bounded_protocol
-    except ImportError:
-        return {"http": "h11", "h11_max_incomplete_event_size": settings.max_header_bytes}
-    return {"http": bounded_protocol(settings.max_header_bytes, settings.header_timeout_seconds)}
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def connections_for(settings: Settings) -> Connections:
+    """The API port holds --max-connections; the metrics port (probes, the operator) its own, small cap."""
+    from tally_runtime.http_limits import Connections
+
+    caps = {settings.port: settings.max_connections}
+    if settings.metrics_port:
+        caps[settings.metrics_port] = settings.max_metrics_connections
+    per_client = settings.max_unauthenticated_connections_per_client if settings.api_keys_file else 0
+    return Connections(caps, settings.max_connections, per_client)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

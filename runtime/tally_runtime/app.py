@@ -21,8 +21,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tally_runtime import contract
 from tally_runtime.auth import ApiKeys
+from tally_runtime.client_watch import StallGuard
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
+from tally_runtime.http_limits import Connections
 from tally_runtime.ledger import Journal, Totals
 from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError
@@ -35,24 +37,27 @@ from tally_runtime.settings import Settings
 log = logging.getLogger("tally_runtime")
 
 
-def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] | None = None) -> FastAPI:
-    """`exit_now` ends the HTTP server (uvicorn's `should_exit`); given, the app drains on SIGTERM."""
+def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] | None = None,
+               connections: Connections | None = None) -> FastAPI:
+    """`exit_now` ends the HTTP server (uvicorn's `should_exit`); given, the app drains on SIGTERM.
+    `connections` are the server's (http_limits.py): a drain closes them after their responses."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = time.monotonic()
         info = await engine.start()
         journal = Journal(Path(settings.journal_path)) if settings.journal_path else None
-        resumed = journal.load() if journal is not None else None
+        totals = journal.resume() if journal is not None else Totals()
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
-                           totals=resumed or Totals(), max_tenants=settings.max_tenants, pod_uid=settings.pod_uid)
-        records = RecordSink(settings.usage_records, settings.usage_records_file, cloudevents_source(settings)) \
+                           totals=totals, max_tenants=settings.max_tenants, pod_uid=settings.pod_uid)
+        records = RecordSink(settings.usage_records, settings.usage_records_file, cloudevents_source(settings),
+                             on_lost=lambda sink: metrics_.records_lost.labels(sink).inc()) \
             if settings.usage_records or settings.usage_records_file else None
-        if resumed is not None:
+        app.state.stall_guard.on_end = metrics_.streams_stalled.inc
+        if totals.requests:
             log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
-                     sum(resumed.requests.values()))
-        if journal is not None:  # at once: a restart before the first request keeps this epoch
-            journal.write(metrics_.totals)
+                     sum(totals.requests.values()))
+        if journal is not None:
             metrics_.journal_healthy.set_function(lambda: 1.0 if journal.healthy else 0.0)
         metrics_.set_stream_mode(str(info.stream_mode))
         metrics_.engine_healthy.set_function(lambda: 1.0 if engine.health().ok else 0.0)
@@ -65,7 +70,8 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         app.state.tenant_header = settings.tenant_header
         app.state.max_body_bytes = settings.max_body_bytes
         app.state.server = server
-        app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit)
+        app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit,
+                                connections)
         if exit_now is not None:
             app.state.drain.install()  # after engine.start(): SGLang installed its own handler by then
         log.info("Engine %s ready in %.1fs serving %r (context %d, %s streaming)", info.engine_kind,
@@ -86,6 +92,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     # Read now, so that a keys file that cannot be used stops the runtime before it serves anything.
     app.state.api_keys = ApiKeys(Path(settings.api_keys_file)) if settings.api_keys_file else None
     app.state.trust_tenant_header = settings.trust_tenant_header or app.state.api_keys is None
+    app.state.stall_guard = StallGuard(settings.send_stall_seconds)
     if settings.metrics_port:
         app.add_middleware(OnlyItsPort, metrics_port=settings.metrics_port)
 

@@ -1,21 +1,23 @@
 """API keys that name tenants (`--api-keys-file`), and who a request is billed to.
 
-The file holds one key per line, `<tenant> <key>`; blank lines and `#` comments are ignored. It is meant to
-be a key of a Kubernetes Secret mounted as a volume: the kubelet replaces the file in place when the
-Secret changes, and the runtime notices (it looks at the file's identity at most once a second) and reloads
-it, so a rotation needs no restart. A file that turns unreadable or invalid keeps the last good keys in
-force, and says so in the log; at start-up, one that cannot be read stops the runtime (it never serves
-without the keys it was told to require). Lines it cannot use are reported by line number, never by
+The file holds one key per line, `<tenant> <key>`, or `<tenant> <key> gateway` for a gateway's key; blank
+lines and `#` comments are ignored. It is meant to be a key of a Kubernetes Secret mounted as a volume: the
+kubelet replaces the file in place when the Secret changes, and the runtime notices (it looks at the file's
+identity at most once a second) and reloads it, so a rotation needs no restart. Revocation fails closed: a
+file that turns unreadable, is removed, or holds no usable key leaves no key valid (every request is a 401,
+the log says why and /health is 503 with the reason, so the pod leaves its Service) until a good file is
+back; at start-up, such a file stops the runtime. Lines it cannot use are reported by line number, never by
 content: a key must not reach a log.
 
 Keys are held only as SHA-256 digests; a presented key is hashed and looked up, so nothing compares the
 secret itself. Key checking is per request, not per token (benchmarks/README.md measures its cost).
 
 Who is billed (`resolve`): with keys, the key's tenant; the tenant header then counts only in gateway mode
-(`--trust-tenant-header`), where the key authenticates a gateway that names the tenant. Without keys, the
-tenant header, else the OpenAI `user` field, else `anonymous` (anyone who reaches the pod chooses what it
-is billed to: run without keys only behind a gateway that sets the header). Whenever the header is taken,
-a request carrying it twice is refused rather than billed to the first one.
+(`--trust-tenant-header`) and only for a key marked `gateway`: such a key authenticates a gateway that names
+the tenant, and any other key that sends the header is refused (403), never billed to the name it gives.
+Without keys, the tenant header, else the OpenAI `user` field, else `anonymous` (anyone who reaches the pod
+chooses what it is billed to: run without keys only behind a gateway that sets the header). Whenever the
+header is taken, a request carrying it twice is refused rather than billed to the first one.
 """
 
 from __future__ import annotations
@@ -53,30 +55,41 @@ class Tenant:
     source: str
 
 
+@dataclass(frozen=True, slots=True)
+class Key:
+    """What a valid API key stands for: its tenant, and whether it is a gateway's (which may name tenants)."""
+
+    tenant: str
+    gateway: bool = False
+
+
+GATEWAY_MARK = "gateway"
+
+
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def parse_keys(text: str) -> tuple[dict[bytes, str], list[str]]:
-    """Key digest -> tenant, and the problems found (by line number only)."""
-    keys: dict[bytes, str] = {}
+def parse_keys(text: str) -> tuple[dict[bytes, Key], list[str]]:
+    """Key digest -> what it stands for, and the problems found (by line number only)."""
+    keys: dict[bytes, Key] = {}
     problems: list[str] = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
-        if len(parts) != 2:
-            problems.append(f"line {number}: expected '<tenant> <key>'")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != GATEWAY_MARK):
+            problems.append(f"line {number}: expected '<tenant> <key>' or '<tenant> <key> {GATEWAY_MARK}'")
             continue
-        tenant, key = parts
+        tenant, key = parts[:2]
         problem = tenant_problem(tenant) or ("the key is shorter than 16 characters" if len(key) < 16 else "")
         if problem:
             problems.append(f"line {number}: {problem}")
         elif digest(key) in keys:
             problems.append(f"line {number}: a key given twice (the first one's tenant keeps it)")
         else:
-            keys[digest(key)] = tenant
+            keys[digest(key)] = Key(tenant, gateway=len(parts) == 3)
     return keys, problems
 
 
@@ -89,24 +102,29 @@ def tenant_problem(tenant: str) -> str:
 
 
 class ApiKeys:
-    """The keys of one file, reloaded when the file changes."""
+    """The keys of one file, reloaded when the file changes; none valid while it cannot be used."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.keys: dict[bytes, str] = {}
+        self.keys: dict[bytes, Key] = {}
         self.identity: tuple[int, int, int, int] | None = None
         self.checked = 0.0
+        self.problem = ""  # why no key is valid now (empty: the file's keys are in force)
         self._load(initial=True)
 
     @property
     def tenants(self) -> frozenset[str]:
-        return frozenset(self.keys.values())
+        return frozenset(k.tenant for k in self.keys.values())
 
-    def tenant_of(self, key: str) -> str | None:
-        self._maybe_reload()
+    def key_of(self, key: str) -> Key | None:
+        self.maybe_reload()
         return self.keys.get(digest(key))
 
-    def _maybe_reload(self) -> None:
+    def tenant_of(self, key: str) -> str | None:
+        found = self.key_of(key)
+        return found.tenant if found else None
+
+    def maybe_reload(self) -> None:
         now = time.monotonic()
         if now - self.checked >= RELOAD_SECONDS:
             self.checked = now
@@ -122,25 +140,30 @@ class ApiKeys:
                 raise KeysFileError(f"larger than {MAX_KEYS_FILE_BYTES} bytes")
             text = self.path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError, KeysFileError) as err:
+            why = f"cannot read the API keys file {self.path}: {type(err).__name__}"
             if initial:
-                raise KeysFileError(f"cannot read the API keys file {self.path}: {err}") from None
-            if self.identity is not None:
-                log.error("Cannot read the API keys file %s (%s): the previous keys stay in force", self.path, err)
-                self.identity = None  # report it once, and reload as soon as it is readable again
+                raise KeysFileError(why) from None
+            self._revoke_all(why, None)
             return
         keys, problems = parse_keys(text)
         for problem in problems:
             log.error("API keys file %s, %s: that line is ignored", self.path, problem)
-        if not keys and initial:
-            raise KeysFileError(f"the API keys file {self.path} holds no usable key")
         if not keys:
-            log.error("The API keys file %s holds no usable key: the previous keys stay in force", self.path)
-        else:
-            if not initial and keys != self.keys:
-                log.info("API keys reloaded from %s: %d key(s) for %d tenant(s)", self.path, len(keys),
-                         len(set(keys.values())))
-            self.keys = keys
-        self.identity = identity
+            why = f"the API keys file {self.path} holds no usable key"
+            if initial:
+                raise KeysFileError(why)
+            self._revoke_all(why, identity)
+            return
+        if not initial and (keys != self.keys or self.problem):
+            log.info("API keys reloaded from %s: %d key(s) for %d tenant(s)", self.path, len(keys),
+                     len({k.tenant for k in keys.values()}))
+        self.keys, self.problem, self.identity = keys, "", identity
+
+    def _revoke_all(self, why: str, identity: tuple[int, int, int, int] | None) -> None:
+        """Fail closed: the keys a file no longer holds are no longer valid, so none is."""
+        if self.problem != why:
+            log.error("%s: no API key is valid until it is fixed (every request gets 401)", why)
+        self.keys, self.problem, self.identity = {}, why, identity
 
 
 def bearer(values: Sequence[str]) -> str | None:
@@ -151,25 +174,33 @@ def bearer(values: Sequence[str]) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
-def authenticate(keys: ApiKeys | None, authorization: Sequence[str]) -> str | None:
-    """The tenant the request's API key names; None when no keys are configured. A missing or wrong key
-    is the OpenAI 401 (`invalid_api_key`)."""
+# A refused key closes its connection: a client without a key gets no keep-alive connection to hold
+UNAUTHENTICATED_HEADERS = {"connection": "close"}
+
+
+def authenticate(keys: ApiKeys | None, authorization: Sequence[str]) -> Key | None:
+    """What the request's API key stands for; None when no keys are configured. A missing or wrong key is
+    the OpenAI 401 (`invalid_api_key`), and the connection closes after it."""
     if keys is None:
         return None
     key = bearer(authorization)
     if key is None:
         raise ApiError(401, "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'.",
-                       code="invalid_api_key")
-    tenant = keys.tenant_of(key)
-    if tenant is None:
-        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-    return tenant
+                       code="invalid_api_key", headers=UNAUTHENTICATED_HEADERS)
+    found = keys.key_of(key)
+    if found is None:
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", headers=UNAUTHENTICATED_HEADERS)
+    return found
 
 
-def resolve(keyed: str | None, tenant_headers: Sequence[str], trust_header: bool, header_name: str,
+def resolve(keyed: Key | None, tenant_headers: Sequence[str], trust_header: bool, header_name: str,
             user: str | None) -> Tenant:
-    """Who the request is billed to: the key's tenant (the header only in gateway mode), or without keys
-    the header, the `user` field, or nobody. 400 for a tenant header given twice or the reserved `other`."""
+    """Who the request is billed to: the key's tenant (a gateway key's header in gateway mode), or without
+    keys the header, the `user` field, or nobody. 400 for a tenant header given twice or the reserved
+    `other`; 403 for a tenant header sent with a key that is not a gateway's."""
+    if keyed is not None and not keyed.gateway and header_name and tenant_headers and trust_header:
+        raise ApiError(403, f"This API key may not name a tenant with the {header_name} header: only a key "
+                            "marked 'gateway' may", param=header_name, code="tenant_header_not_allowed")
     if trust_header and header_name:
         if len(tenant_headers) > 1:
             raise ApiError(400, f"The {header_name} header was given {len(tenant_headers)} times; give it once",
@@ -177,7 +208,7 @@ def resolve(keyed: str | None, tenant_headers: Sequence[str], trust_header: bool
         if tenant_headers and tenant_headers[0].strip():
             return named(tenant_headers[0], SOURCE_HEADER, header_name)
     if keyed is not None:
-        return Tenant(keyed, SOURCE_KEY)
+        return Tenant(keyed.tenant, SOURCE_KEY)
     if user and user.strip():
         return named(user, SOURCE_USER, "user")
     return Tenant(NO_TENANT, SOURCE_NONE)

@@ -29,6 +29,8 @@ START_TIME = f"{PREFIX}_start_time_seconds"
 DRAINING = f"{PREFIX}_draining"  # gauge: 1 once SIGTERM was received (a read when idle then is the final one)
 RUNTIME_INFO = f"{PREFIX}_runtime_info"  # gauge{pod_uid}: 1; which pod this runtime says it is
 JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter journal cannot be written
+RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not written whole (stdout, file)
+STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every
 # outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
 FINAL_READ_PATH = "/internal/final-read"
@@ -77,6 +79,7 @@ def sample_name(counter: str) -> str:
 STREAMING_FLAGS = frozenset({"--incremental-streaming-output", "--stream-output"})
 
 # Arguments Tally sets itself; passing them through engine args would contradict the runtime (refused).
+# The runtime refuses these whoever runs it; a CompletionService may pass only ENGINE_ARG_OPTIONS below.
 OWNED_ENGINE_ARGS = frozenset({
     "--model-path", "--model", "--tokenizer-path", "--served-model-name", "--host", "--port",
     "--skip-tokenizer-init", "--context-length", "--tp-size", "--tensor-parallel-size", "--dp-size",
@@ -84,3 +87,32 @@ OWNED_ENGINE_ARGS = frozenset({
     "--mem-fraction-static", "--max-running-requests",
 })
 
+
+
+# What a CompletionService may pass to SGLang (spec.engine.args), by full option name: scheduling, batching,
+# precision and kernel choices. An allow-list, because an option that is not here can load code or leak
+# prompts (--trust-remote-code, --tokenizer-path, --speculative-draft-model-path, --lora-paths, --load-format,
+# --chat-template (a file in the pod), --log-requests, tracing endpoints). Each item of spec.engine.args is one
+# option: `--name=value` for the valued ones (a value of letters, digits and `._:+,-`, no paths), `--name` for
+# the switches. The CRD and the chart's admission policy hold the same list (ENGINE_ARGS_PATTERN, a test keeps
+# them equal); the runtime parses with abbreviations off and its own arguments win.
+ENGINE_ARG_VALUES = frozenset({
+    "--stream-interval", "--schedule-policy", "--schedule-conservativeness", "--chunked-prefill-size",
+    "--max-prefill-tokens", "--max-total-tokens", "--page-size", "--dtype", "--kv-cache-dtype", "--quantization",
+    "--attention-backend", "--sampling-backend", "--grammar-backend", "--random-seed", "--watchdog-timeout",
+    "--cuda-graph-max-bs", "--num-continuous-decode-steps", "--tool-call-parser", "--reasoning-parser",
+    "--device",
+})
+ENGINE_ARG_SWITCHES = frozenset({
+    "--disable-radix-cache", "--disable-cuda-graph", "--disable-overlap-schedule", "--enable-mixed-chunk",
+    "--enable-torch-compile", "--enable-dp-attention", "--skip-server-warmup", *STREAMING_FLAGS,
+})
+ENGINE_ARG_VALUE_CHARS = "A-Za-z0-9._:+,-"
+MAX_ENGINE_ARG_VALUE = 128
+
+
+def engine_args_pattern() -> str:
+    """The regular expression every item of spec.engine.args must match (RE2 and Python alike)."""
+    values = "|".join(sorted(name.removeprefix("--") for name in ENGINE_ARG_VALUES))
+    switches = "|".join(sorted(name.removeprefix("--") for name in ENGINE_ARG_SWITCHES))
+    return f"^--(({values})=[{ENGINE_ARG_VALUE_CHARS}]{{1,{MAX_ENGINE_ARG_VALUE}}}|({switches}))$"

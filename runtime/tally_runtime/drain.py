@@ -4,9 +4,13 @@ The runtime owns the signal. SGLang installs its own SIGTERM handler on the serv
 it generates (SGLANG_CONTRACT.md §6) and would end the process while streams are still open, so this
 handler is installed after the engine has started, replacing it. A second SIGTERM exits at once.
 
-While draining, /health answers 503 (the pod leaves its Service), new requests get 503 with
-Retry-After, and /metrics keeps answering. In-flight requests get `drain_seconds` to finish; past that
-they are aborted in the engine and billed what it generated. Then the runtime waits up to
+While draining, /health answers 503 (the pod leaves its Service), every response closes its connection
+and idle keep-alive connections are closed at once (a pooled client, such as the `openai` SDK, would
+otherwise keep sending to this pod on the connection it holds: the Service balances per connection), new
+requests get 503 with Retry-After, and /metrics keeps answering. The pod's preStop pause (desired.py)
+gives the Service time to stop sending new connections before the signal comes. In-flight requests get
+`drain_seconds` to finish and be recorded; past that they are aborted in the engine, billed what it
+generated, and recorded whatever their client's socket does. Then the runtime waits up to
 `final_read_seconds` (a budget of its own, however late the drain ended) for the final-read handshake:
 the operator reads /metrics, books those counters in the CompletionService's status, and then posts them
 back to `POST /internal/final-read`. Only an acknowledgement that names this process's epoch and exactly
@@ -23,6 +27,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tally_runtime.http_limits import Connections
 from tally_runtime.ledger import Totals
 from tally_runtime.serving import Server
 
@@ -45,8 +50,9 @@ def matches(acknowledged: Mapping[str, Any], totals: Totals) -> bool:
 
 class Drain:
     def __init__(self, server: Server, drain_seconds: float, final_read_seconds: float,
-                 exit_now: Callable[[], None]) -> None:
+                 exit_now: Callable[[], None], connections: Connections | None = None) -> None:
         self.server = server
+        self.connections = connections
         self.drain_seconds = drain_seconds
         self.final_read_seconds = final_read_seconds
         self.exit_now = exit_now
@@ -67,6 +73,8 @@ class Drain:
             return
         self.server.draining = True
         self.server.metrics.draining.set(1)
+        if self.connections is not None:
+            self.connections.close_after_responses()
         log.info("SIGTERM: draining (%d generation(s) running, %d queued, deadline %.0fs)",
                  self.server.admission.used, self.server.admission.queued, self.drain_seconds)
         self.task = asyncio.get_running_loop().create_task(self.run())
@@ -74,7 +82,7 @@ class Drain:
     def acknowledge(self, acknowledged: Mapping[str, Any]) -> bool:
         """The operator booked these counters. True (and the wait ends) only when draining is done and
         they are exactly this process's final ones."""
-        done = self.server.draining and self.server.admission.idle and not self.server.closing
+        done = self.server.draining and self.server.done
         if done and matches(acknowledged, self.server.metrics.totals):
             self.final_read.set()
             return True
@@ -84,19 +92,18 @@ class Drain:
         server = self.server
         try:
             async with asyncio.timeout(self.drain_seconds):
-                await server.admission.wait_idle()
+                await server.wait_done()  # every request finished and recorded
         except TimeoutError:
-            log.warning("Drain deadline reached with %d generation(s) still running: aborting them",
-                        server.admission.used)
+            log.warning("Drain deadline reached with %d generation(s) still running and %d request(s) open: "
+                        "aborting them", server.admission.used, len(server.runs))
             server.abort_all()
             try:
                 async with asyncio.timeout(ABORT_GRACE_SECONDS):
-                    await server.admission.wait_idle()
+                    await server.admission.wait_idle()  # the engine's final counts of what it aborted
             except TimeoutError:
-                log.error("%d generation(s) did not end after their abort: exiting without them",
-                          server.admission.used)
-                self.exit_now()
-                return
+                log.error("%d generation(s) did not end after their abort: they are billed as far as they "
+                          "were read", server.admission.used)
+            server.book_all()  # whatever their sockets do (a client that stopped reading holds nothing)
         await server.settle()
         if self.final_read_seconds > 0:
             try:

@@ -12,7 +12,7 @@ that does not end within that bound is cancelled outright, billed as far as we r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 from tally_runtime.engine.base import Delta, Engine, EngineError, GenerationRequest, ItemStream
@@ -72,6 +72,7 @@ class Choices:
         self.mailbox = Mailbox(len(self.requests))
         self.finished: set[int] = set()  # choices whose engine generator has ended
         self.aborting = False
+        self.on_engine_done: Callable[[], None] | None = None  # once every choice's engine generation ended
         self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
 
     async def _pump(self, index: int, request: GenerationRequest) -> None:
@@ -87,13 +88,18 @@ class Choices:
                 last = await self._pump_deltas(index, source)
         except Exception as err:
             self.finished.add(index)
-            self.mailbox.close(err)
+            self._close(err)
             return
         self.finished.add(index)
         if last is None or last.finish_reason is None:
-            self.mailbox.close(EngineError("The engine ended a generation without a finish reason", 500))
+            self._close(EngineError("The engine ended a generation without a finish reason", 500))
         else:
-            self.mailbox.close()
+            self._close(None)
+
+    def _close(self, error: Exception | None) -> None:
+        self.mailbox.close(error)
+        if not self.mailbox.open and self.on_engine_done is not None:
+            self.on_engine_done()
 
     # The two loops below run once per engine item, per token when the reader keeps up: kept lean.
 

@@ -13,11 +13,16 @@ cost 0.3 ms here, benchmarks/README.md). Each slot holds a header line with a se
 payload's length and its CRC-32, then the JSON; a write torn by SIGKILL (a snapshot of many tenants spans
 several pages) fails its check, and the other slot still holds the previous snapshot. Loading takes the
 valid slot with the highest sequence; anything unreadable (corrupt, wrong shape, hostile values) starts a
-new epoch, logged, never a crash. The journal is written at start-up too, so a restart before the first
-request keeps the epoch. When a write fails (ENOSPC, EIO), the journal would lag behind the counters:
-both slots are removed so that a restart begins a new epoch, and `tally_journal_healthy` says 0 until a
-write succeeds again (the in-memory counters stay exact meanwhile). No fsync: the file must outlive the
-process, not the node.
+new epoch, logged, never a crash. When a write fails (ENOSPC, EIO, EROFS, or a short write: fewer bytes
+than the snapshot), the journal would lag behind the counters: both slots are removed so that a restart
+begins a new epoch, and `tally_journal_healthy` says 0 until a write succeeds again (the in-memory
+counters stay exact meanwhile). No fsync: the file must outlive the process, not the node.
+
+The invariant (DESIGN.md, "The books"): a resumed epoch is never behind what was exported under it.
+`resume` holds it at start-up: it continues a journal only once it has written it again, so a journal
+that could not be removed (a read-only volume refuses the unlink too) and cannot be written now starts a
+new epoch instead of resuming a stale slot; the start-up write also means a restart before the first
+request keeps the epoch. tests/unit/runtime/test_journal_faults.py injects each fault at every write.
 """
 
 from __future__ import annotations
@@ -189,9 +194,11 @@ class Journal:
             if fd is None:
                 fd = self.fds[slot] = os.open(self.paths[slot], os.O_WRONLY | os.O_CREAT, 0o600)
                 self.sizes[slot] = os.fstat(fd).st_size
-            data = encode_slot(self.sequence, totals)
-            os.pwrite(fd, data.ljust(self.sizes[slot]), 0)
-            self.sizes[slot] = max(self.sizes[slot], len(data))
+            data = encode_slot(self.sequence, totals).ljust(self.sizes[slot])
+            written = os.pwrite(fd, data, 0)
+            self.sizes[slot] = max(self.sizes[slot], written)
+            if written != len(data):  # a filling volume: the slot is torn, the journal behind the counters
+                raise OSError(f"short write ({written} of {len(data)} bytes)")
         except OSError as err:
             if self.healthy:
                 log.error("Cannot write the counter journal %s: %s; it is removed, so a restart starts a new "
@@ -202,6 +209,19 @@ class Journal:
             if not self.healthy:
                 log.info("The counter journal %s is written again", self.paths[slot])
             self.healthy = True
+
+    def resume(self) -> Totals:
+        """The counters to start this process with: the journal's, continued only if the journal can be
+        written now; otherwise (or with no trusted journal) a new epoch."""
+        resumed = self.load()
+        totals = resumed or Totals()
+        self.write(totals)
+        if resumed is not None and not self.healthy:
+            log.error("The counter journal was read but cannot be written: the counters start again under a new "
+                      "epoch rather than continue from a snapshot that may lag behind what was exported")
+            totals = Totals()
+            self.write(totals)
+        return totals
 
     def _discard(self) -> None:
         """Remove both slots (unlinking works on a full disk): a restart then finds no journal."""

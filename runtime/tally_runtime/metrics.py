@@ -58,6 +58,11 @@ class Metrics:
         )
         self.e2e = Histogram(contract.E2E_LATENCY, "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.engine_healthy = Gauge(contract.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
+        self.records_lost = Counter(contract.RECORDS_LOST, "Usage records a sink could not write whole", ["sink"],
+                                    registry=r)
+        self.streams_stalled = Counter(contract.STALLED_STREAMS,
+                                       "Streams ended because their client took no data for --send-stall-seconds",
+                                       registry=r)
         self.drift = Gauge(contract.ENGINE_USAGE_DRIFT,
                            "Engine-sourced totals we counted minus SGLang's own counters, "
                            "as of the last moment no request was in flight", ["kind"], registry=r)

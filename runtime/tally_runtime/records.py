@@ -9,9 +9,12 @@ only ever added, never renamed or removed, within one version. See README "Usage
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,30 +65,56 @@ class UsageRecord:
         return orjson.dumps(event) + b"\n"
 
 
-class RecordSink:
-    """Where records go: standard output (one write per record, so lines never interleave) and a file, as
-    plain `tally.usage.v1` lines or as CloudEvents from `source`."""
+def write_line(fd: int, line: bytes) -> bool:
+    """Write every byte of `line` (a write may take fewer); on a failure part-way, end the torn line so the
+    next record starts a line of its own. True when the whole line was written."""
+    done = 0
+    try:
+        while done < len(line):
+            written = os.write(fd, line[done:])
+            if written <= 0:
+                raise OSError("the sink took no bytes")
+            done += written
+        return True
+    except OSError:
+        if done:
+            with contextlib.suppress(OSError):
+                os.write(fd, b"\n")  # a torn record is one bad line, never two records merged
+        raise
 
-    def __init__(self, stdout: bool, path: str = "", cloudevents_source: str = "") -> None:
+
+class RecordSink:
+    """Where records go: standard output and a file, as plain `tally.usage.v1` lines or as CloudEvents from
+    `source`. Each record is written whole (lines never interleave or merge) or counted lost, per sink
+    (`lost`, exported as tally_usage_records_lost_total{sink})."""
+
+    def __init__(self, stdout: bool, path: str = "", cloudevents_source: str = "",
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.stdout = stdout
+        self.on_lost = on_lost
         self.cloudevents_source = cloudevents_source
         # 0600, as the journal: the records name every tenant and what it used
-        self.file = os.fdopen(os.open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab",
-                              buffering=0) if path else None
+        self.fd = os.open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if path else None
         self.failing = False
+        self.lost: Counter[str] = Counter()
 
     def write(self, record: UsageRecord) -> None:
         line = record.to_cloudevent(self.cloudevents_source) if self.cloudevents_source else record.to_line()
-        try:
-            if self.stdout:
-                os.write(1, line)
-            if self.file is not None:
-                self.file.write(line)
-        except OSError as err:
-            if not self.failing:
-                log.error("Cannot write usage records: %s", err)
-            self.failing = True
+        for sink, fd in (("stdout", 1 if self.stdout else None), ("file", self.fd)):
+            if fd is None:
+                continue
+            try:
+                write_line(fd, line)
+            except OSError as err:
+                self.lost[sink] += 1
+                if self.on_lost is not None:
+                    self.on_lost(sink)
+                if not self.failing:
+                    log.error("Cannot write usage records to %s: %s (counted in tally_usage_records_lost_total)",
+                              sink, err)
+                self.failing = True
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

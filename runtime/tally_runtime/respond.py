@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from tally_runtime import auth, contract, sse
 from tally_runtime.client_watch import ClientGone, ClientWatch, EventStreamResponse
+from tally_runtime.http_limits import AUTHENTICATED
 from tally_runtime.prepare import Endpoint, Job
 from tally_runtime.protocol import ApiError
 from tally_runtime.serving import Server
@@ -51,7 +52,7 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
     tenant = auth.Tenant(auth.NO_TENANT, auth.SOURCE_NONE)
     started = time.monotonic()
     try:
-        keyed = auth.authenticate(state.api_keys, request.headers.getlist("authorization"))
+        keyed = authenticated(request)
         tenant = auth.resolve(keyed, headers, state.trust_tenant_header, header_name, None)
         job = await prepare()
         tenant = auth.resolve(keyed, headers, state.trust_tenant_header, header_name, job.user)
@@ -78,7 +79,7 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         server.fail(endpoint.name, tenant, started)
         return error_response(ApiError(500, "Internal error while preparing the request"))
     if job.stream:
-        return EventStreamResponse(run.stream(), watch, sse.MEDIA_TYPE, sse.STREAM_HEADERS)
+        return EventStreamResponse(run.stream(), watch, sse.MEDIA_TYPE, sse.STREAM_HEADERS, state.stall_guard)
     try:
         async with watch:
             payload = await run.collect()
@@ -89,6 +90,14 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
     finally:
         watch.stop()
     return json_response(payload)
+
+
+def authenticated(request: Request) -> auth.Key | None:
+    """The request's key (None without keys); a valid one lifts its connection's pre-authentication bound."""
+    keyed = auth.authenticate(request.app.state.api_keys, request.headers.getlist("authorization"))
+    if keyed is not None and (mark := request.scope.get(AUTHENTICATED)) is not None:
+        mark()
+    return keyed
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -11,7 +11,13 @@ requests refused before they were admitted; `Server.start` records a client that
 a `Run`, once admitted, records itself when it closes, however it ends (finished, failed, its client
 gone in prefill or mid-stream). A run that ends early aborts its unfinished choices and bills what the
 engine reports it generated for them; that last part runs in a task of its own, so a cancelled request
-task cannot cut the books short, and the run's slots are released only once the engine is done with it.
+task cannot cut the books short.
+
+A run's generation slots follow the engine, not the socket: they go back as soon as every choice's engine
+generation has ended, also while its client is still reading (or has stopped reading: what the engine
+made waits in the run's mailbox, at most n x max_tokens deltas, until the send-stall limit ends the
+stream, client_watch.StallGuard). The run is recorded when it closes, and `Server.quiet` tells the drain
+when every run is recorded.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class Server:
         self.stopping = False  # past the drain's deadline: queued requests are refused when their turn comes
         self.runs: set[Run] = set()  # admitted and not yet closed
         self.closing: set[asyncio.Task[None]] = set()  # runs finishing their books (see Run.close)
+        self.quiet = asyncio.Event()  # no run open: every admitted request is recorded
+        self.quiet.set()
 
     def reject(self, endpoint: str, error: ApiError, tenant: Tenant, job: Job | None = None) -> None:
         """Record a request refused before it started: once, with no usage."""
@@ -139,6 +147,21 @@ class Server:
         for run in list(self.runs):
             run.abort()
 
+    def book_all(self) -> None:
+        """Close every run's books now, whatever its client's socket is doing (the drain is out of time)."""
+        for run in list(self.runs):
+            run.close_soon()
+
+    @property
+    def done(self) -> bool:
+        """Nothing admitted, queued or unrecorded: the counters are final."""
+        return self.admission.idle and not self.runs and not self.closing
+
+    async def wait_done(self) -> None:
+        await self.admission.wait_idle()
+        await self.quiet.wait()
+        await self.settle()
+
     async def _admit(self, job: Job) -> None:
         if self.draining:
             raise ApiError(503, "The server is shutting down; retry on another replica", code="shutting_down",
@@ -182,7 +205,10 @@ class Run:
         self.outcome = contract.OUTCOME_ABORTED
         self.finish_reason = "none"
         self.closed = False
+        self.released = False  # its slots went back (the engine is done with it)
+        self.choices.on_engine_done = self.release
         server.runs.add(self)
+        server.quiet.clear()
 
     async def prime(self) -> None:
         try:
@@ -241,6 +267,12 @@ class Run:
                 metrics.observe_tokens(now - previous, count)
             self.last_token_at[index] = now
 
+    def release(self) -> None:
+        """Give the run's slots back, once: the engine is done with it (or the run closed)."""
+        if not self.released:
+            self.released = True
+            self.server.release(self.job)
+
     def abort(self) -> None:
         """Ask the engine to end this run's generations; each then ends with an ABORT delta."""
         self.choices.abort_engine()
@@ -285,7 +317,6 @@ class Run:
             log.exception("Ending generation %s failed; it is billed as far as it was read", self.job.header.id)
             await self.choices.cancel()
         finally:
-            server.runs.discard(self)
             try:
                 if not refused:
                     duration = time.monotonic() - self.started
@@ -293,7 +324,10 @@ class Run:
                     server.record(self.usage_record(usage, duration), self.finish_reason, usage)
                     server.metrics.e2e.observe(duration)
             finally:
-                server.release(self.job)
+                self.release()
+                server.runs.discard(self)
+                if not server.runs:
+                    server.quiet.set()
 
     def usage_record(self, usage: RequestUsage, duration: float) -> UsageRecord:
         job = self.job

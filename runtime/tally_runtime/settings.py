@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -29,6 +30,10 @@ class Settings:
     max_header_bytes: int = 64 << 10
     header_timeout_seconds: float = 10.0
     max_connections: int = 4096
+    max_metrics_connections: int = 64
+    max_unauthenticated_connections_per_client: int = 16
+    body_timeout_seconds: float = 30.0
+    send_stall_seconds: float = 60.0
     drain_seconds: float = 300.0
     final_read_seconds: float = 0.0
     journal_path: str = ""  # empty: no journal
@@ -79,7 +84,14 @@ _HELP: dict[str, str] = {
     "max_body_bytes": "largest request body accepted; a larger one gets 413",
     "max_header_bytes": "largest request head (request line and headers) accepted; a larger one gets 431",
     "header_timeout_seconds": "how long a connection may take to send a complete request head (then 408)",
-    "max_connections": "connections served at once; beyond, new ones get 503 (uvicorn's limit_concurrency)",
+    "max_connections": "connections the API port holds at once; beyond, new ones get 503",
+    "max_metrics_connections": "connections the metrics port (probes, the operator's scrape) holds at once, apart "
+    "from the API port's",
+    "max_unauthenticated_connections_per_client": "with --api-keys-file: connections one client address may hold "
+    "before a request on them authenticated; beyond, new ones get 429",
+    "body_timeout_seconds": "how long a request body may take to arrive once its head has (then 408)",
+    "send_stall_seconds": "end a stream whose client has taken no data for this long (its usage is recorded; the "
+    "engine's slots were freed when it finished generating)",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
     "final_read_seconds": "on SIGTERM, once drained, how long to wait for the operator to book the final "
     "counters (it posts them back to /internal/final-read); 0 exits at once",
@@ -111,7 +123,8 @@ _HELP: dict[str, str] = {
     "log_level": "uvicorn and runtime log level",
     "pod_uid": "the uid of the pod this runtime serves in, exported as tally_runtime_info{pod_uid} so that a "
     "scraper can tell it reached the pod it meant (a pod IP can be reused)",
-    "engine_args": "extra SGLang server arguments, e.g. --engine-args='--stream-interval 2'",
+    "engine_args": "one extra SGLang server argument, by its full option name (repeat the flag for more; "
+    "the variable is a JSON array), e.g. --engine-arg=--stream-interval=2; Tally's own arguments are refused",
 }
 
 
@@ -135,8 +148,14 @@ def _convert(name: str, default: Any, text: str) -> Any:
         return int(text)
     if isinstance(default, float):
         return float(text)
-    if isinstance(default, tuple):
-        return tuple(text.split())
+    if isinstance(default, tuple):  # a JSON array of strings: each item one argument, never split further
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not a JSON array of strings: {err}") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError("not a JSON array of strings")
+        return tuple(items)
     return text
 
 
@@ -149,7 +168,10 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         default = f.default if f.default is not MISSING else ()
         value = getattr(args, f.name, None)
         if value is not None:
-            values[f.name] = _convert(f.name, default, value) if isinstance(value, str) else value
+            if isinstance(value, list):  # a repeated flag: each occurrence one item
+                values[f.name] = tuple(value)
+            else:
+                values[f.name] = _convert(f.name, default, value) if isinstance(value, str) else value
         elif env_name(f.name) in environ:
             try:
                 values[f.name] = _convert(f.name, default, environ[env_name(f.name)])
@@ -177,11 +199,12 @@ def validate(settings: Settings) -> str:
         return "--max-concurrent-generations must be at least 1"
     if settings.max_tenants < 1:
         return "--max-tenants must be at least 1"
-    for name in ("max_body_bytes", "max_header_bytes", "max_connections"):
+    for name in ("max_body_bytes", "max_header_bytes", "max_connections", "max_metrics_connections",
+                 "max_unauthenticated_connections_per_client"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
-    if settings.header_timeout_seconds <= 0:
-        return "--header-timeout-seconds must be positive"
+    if min(settings.header_timeout_seconds, settings.body_timeout_seconds, settings.send_stall_seconds) <= 0:
+        return "--header-timeout-seconds, --body-timeout-seconds and --send-stall-seconds must be positive"
     if settings.max_queued_requests < 0:
         return "--max-queued-requests must be 0 (no queue) or more"
     for name in ("max_queue_seconds", "drain_seconds", "final_read_seconds"):
@@ -196,7 +219,7 @@ def validate(settings: Settings) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tally-runtime serve",
+        prog="tally-runtime serve", allow_abbrev=False,
         description="Serve an OpenAI-compatible /v1/completions and /v1/chat/completions API. "
         "Every flag can also be set with the TALLY_<FLAG> environment variable "
         "(e.g. TALLY_PORT=9000); a flag wins over the variable.",
@@ -211,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=f.name, type=int, metavar="N", help=help_text)
         elif isinstance(default, float):
             parser.add_argument(flag, dest=f.name, type=float, metavar="X", help=help_text)
+        elif isinstance(default, tuple):  # repeated, one item each: --engine-arg=--stream-interval=2
+            parser.add_argument(flag.removesuffix("s"), dest=f.name, action="append", metavar="ARG", help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, metavar=f.name.split("_")[-1].upper(), help=help_text)
     return parser

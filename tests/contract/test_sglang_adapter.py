@@ -158,6 +158,27 @@ def test_owned_engine_args_are_rejected() -> None:
         asyncio.run(engine.start())
 
 
+@pytest.mark.parametrize("args", [
+    pytest.param(("--trust-remote",), id="abbreviation"),
+    pytest.param((" --trust-remote-code",), id="whitespace-before"),
+    pytest.param(("--stream-interval=2 --trust-remote-code",), id="hidden-in-a-value"),
+    pytest.param(("--stream-interval", "2", "--tp", "2"), id="abbreviated-owned"),
+])
+def test_engine_args_are_full_option_names_and_never_reach_trust_remote_code(args: tuple[str, ...]) -> None:
+    sglang.configure(version=GENERATIONS["D"])
+    engine = SGLangEngine(settings(engine_args=args).engine_config())
+    with pytest.raises(ValueError):
+        asyncio.run(engine.start())
+    assert engine._engine is None
+
+
+def test_tallys_own_arguments_win_over_pass_through_ones() -> None:
+    sglang.configure(version=GENERATIONS["D"])
+    engine = SGLangEngine(settings(engine_args=("--log-level=debug",), log_level="warning").engine_config())
+    asyncio.run(engine.start())
+    assert engine._engine.server_args.log_level == "warning"
+
+
 def test_cli_form_of_the_switch_is_accepted_for_every_generation() -> None:
     for gen in "ABCD":
         sglang.configure(version=GENERATIONS[gen])

@@ -14,7 +14,7 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip("real SGLang runs in its own venv: make test-sglang", allow_module_level=True)
 
 from runtime_harness import free_port, wait_healthy
-from sglang_harness import ENGINE_ARGS, MODEL, start, stop
+from sglang_harness import ENGINE_ARG_FLAGS, MODEL, start, stop
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def sglang_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("sglang") / "runtime.log"
     proc, _ = start([sys.executable, "-m", "tally_runtime", "serve", "--engine", "sglang", "--port", str(port),
                      "--model-path", str(MODEL), "--max-concurrent-generations", "8",
-                     f"--engine-args={ENGINE_ARGS}"], log)
+                     *ENGINE_ARG_FLAGS], log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log, deadline=300)

@@ -17,7 +17,7 @@ from tally_runtime.settings import Settings
 
 
 async def run(model: str, engine_args: str) -> dict[str, Any]:
-    settings = Settings(engine="sglang", model_path=model, engine_args=tuple(engine_args.split()))
+    settings = Settings(engine="sglang", model_path=model, engine_args=tuple(json.loads(engine_args)))
     engine = SGLangEngine(settings.engine_config())
     await engine.start()
     try:

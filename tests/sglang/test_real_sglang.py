@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from runtime_harness import free_port, metric_value, sse_payloads, until
-from sglang_harness import ENGINE_ARGS, MODEL, sglang_env, start, stop
+from sglang_harness import ENGINE_ARG_FLAGS, ENGINE_ARGS, MODEL, sglang_env, start, stop
 
 pytestmark = pytest.mark.sglang
 PROMPT = "The capital of France is"
@@ -67,8 +67,8 @@ def test_slow_consumer_gets_coalesced_deltas_and_exact_usage(tmp_path: Any) -> N
     """
     here = Path(__file__).parent
     out = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, str(here / "slow_consumer.py"), str(MODEL), ENGINE_ARGS, str(out)],
-                          env=sglang_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(here / "slow_consumer.py"), str(MODEL), json.dumps(ENGINE_ARGS),
+                           str(out)], env=sglang_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     fast, slow = result["fast"], result["slow"]
@@ -114,7 +114,7 @@ def test_cumulative_engine_is_refused(tmp_path: Any, sglang_url: str) -> None:
     port = free_port()
     here = __file__.rsplit("/", 1)[0]
     proc, _ = start([sys.executable, f"{here}/cumulative_server.py", "--engine", "sglang", "--port", str(port),
-                     "--model-path", str(MODEL), f"--engine-args={ENGINE_ARGS}"], tmp_path / "cumulative.log")
+                     "--model-path", str(MODEL), *ENGINE_ARG_FLAGS], tmp_path / "cumulative.log")
     url = f"http://127.0.0.1:{port}"
     try:
         def health() -> httpx.Response | None:
@@ -167,7 +167,7 @@ def test_sigterm_lets_the_stream_finish_although_sglang_has_its_own_handler(tmp_
     port = free_port()
     log = tmp_path / "drain.log"
     proc, _ = start([sys.executable, "-m", "tally_runtime", "serve", "--engine", "sglang", "--port", str(port),
-                     "--model-path", str(MODEL), f"--engine-args={ENGINE_ARGS}"], log)
+                     "--model-path", str(MODEL), *ENGINE_ARG_FLAGS], log)
     url = f"http://127.0.0.1:{port}"
     try:
         from runtime_harness import wait_healthy

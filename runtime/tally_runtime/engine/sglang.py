@@ -82,15 +82,24 @@ def base_kwargs(settings: EngineConfig) -> dict[str, Any]:
 
 
 def parse_pass_through(server_args_cls: Any, args: Sequence[str]) -> dict[str, Any]:
-    """Turn pass-through CLI arguments into constructor arguments with SGLang's own parser."""
+    """Turn pass-through CLI arguments into constructor arguments with SGLang's own parser, abbreviations
+    off: every item that starts with `-` must be one of SGLang's options by its full name (`--name` or
+    `--name=value`), so no item can be read as an option it does not spell out."""
     import argparse
 
     if not args:
         return {}
-    parser = argparse.ArgumentParser(prog="sglang", add_help=False)
+    parser = argparse.ArgumentParser(prog="sglang", add_help=False, allow_abbrev=False, exit_on_error=False)
     server_args_cls.add_cli_args(parser)
-    defaults = vars(parser.parse_args(["--model-path", "unused"]))
-    given = vars(parser.parse_args(["--model-path", "unused", *args]))
+    options = {s for action in parser._actions for s in action.option_strings}
+    unknown = [a for a in args if a.startswith("-") and a.split("=", 1)[0] not in options]
+    if unknown:
+        raise ValueError(f"not SGLang options (full names only, one per argument): {', '.join(map(repr, unknown))}")
+    try:
+        defaults = vars(parser.parse_args(["--model-path", "unused"]))
+        given = vars(parser.parse_args(["--model-path", "unused", *args]))
+    except (argparse.ArgumentError, SystemExit) as err:
+        raise ValueError(f"SGLang refused the engine arguments: {err}") from None
     return {k: v for k, v in given.items() if v != defaults.get(k) and k != "model_path"}
 
 
@@ -114,7 +123,7 @@ class SGLangEngine:
         self.generation = compat.detect_generation(server_args_cls, version)
         passed = compat.split_engine_args(self.settings.engine_args)
         kwargs = compat.engine_kwargs(
-            server_args_cls, {**base_kwargs(self.settings), **parse_pass_through(server_args_cls, passed)},
+            server_args_cls, {**parse_pass_through(server_args_cls, passed), **base_kwargs(self.settings)},
         )
         log.info("Starting SGLang %s (generation %s) with %s=True", version, self.generation,
                  compat.streaming_field(server_args_cls))

@@ -19,6 +19,11 @@ async def health(request: Request) -> Response:
     state = server.engine.health()
     if server.draining:
         return json_response({"status": "draining", "reason": "the server is shutting down"}, 503)
+    keys = request.app.state.api_keys
+    if keys is not None:
+        keys.maybe_reload()
+        if keys.problem:  # revoked, fail closed: every request would be a 401, so take no traffic
+            return json_response({"status": "unhealthy", "reason": keys.problem}, 503)
     if state.ok:
         return json_response({"status": "ok"})
     return json_response({"status": "unhealthy", "reason": state.reason}, 503)

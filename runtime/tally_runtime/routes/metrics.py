@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tally_runtime import contract
 from tally_runtime.protocol import ApiError
-from tally_runtime.respond import error_response, json_response
+from tally_runtime.respond import error_response, json_response, read_body
 from tally_runtime.serving import Server
 
 router = APIRouter()
@@ -20,15 +20,15 @@ MAX_ACK_BYTES = 4096
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     server: Server = request.app.state.server
-    body = server.metrics.render(server.engine.own_metrics(), settled=server.admission.idle)
+    body = server.metrics.render(server.engine.own_metrics(), settled=server.done)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post(contract.FINAL_READ_PATH)
 async def final_read(request: Request) -> Response:
-    body = await request.body()
+    body = await read_body(request, MAX_ACK_BYTES)  # bounded before it is read: 413 past it
     try:
-        acknowledged = orjson.loads(body) if len(body) <= MAX_ACK_BYTES else None
+        acknowledged = orjson.loads(body)
     except orjson.JSONDecodeError:
         acknowledged = None
     if not isinstance(acknowledged, dict):

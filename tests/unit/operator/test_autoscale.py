@@ -56,7 +56,7 @@ def test_a_scale_down_comes_once_every_recommendation_over_the_delay_was_lower()
     assert run(flat(0), 4, recommendations=[Recommendation(NOW - 50, 4)]).reason == "Steady"
     quiet = [Recommendation(NOW - 150, 1)]
     assert (run(flat(0), 4, recommendations=quiet).replicas, run(flat(0), 4, recommendations=quiet).reason) == \
-        (1, "ScaleDown")
+        (2, "ScaleDown")  # one pod was enough, but a step removes at most half
 
 
 def test_panic_never_scales_down_and_min_replicas_holds() -> None:
@@ -91,3 +91,38 @@ def test_deletion_cost_is_the_pods_busy_requests_within_the_annotations_int32() 
     assert deletion_cost({contract.INFLIGHT_GENERATIONS: 3.0, contract.QUEUED_REQUESTS: 2.0}) == 5
     # the largest a trusted sample can say (samples.MAX_LOAD each) still fits the annotation's int32
     assert deletion_cost({contract.QUEUED_REQUESTS: MAX_LOAD, contract.INFLIGHT_GENERATIONS: MAX_LOAD}) < 2**31
+
+
+def test_a_scale_down_keeps_at_least_half_the_pods_per_step() -> None:
+    quiet = [Recommendation(NOW - 150, 1)]
+    decision = run(flat(0), 8, recommendations=quiet)
+    assert (decision.replicas, decision.reason) == (4, "ScaleDown")
+
+
+def test_no_scale_down_to_more_pods_than_the_round_read() -> None:
+    quiet = [Recommendation(NOW - 150, 1)]
+    decision = decide(CONFIG, flat(0), quiet, 4, 4, False, NOW, 0.0, read=1)
+    assert (decision.replicas, decision.reason) == (4, "PodsUnread")
+    assert decide(CONFIG, flat(0), quiet, 4, 4, False, NOW, 0.0, read=2).replicas == 2
+
+
+@pytest.mark.parametrize(("target", "rate"), [(1e-308, 2.0), (4.0, 1e308), (5e-324, 1e308)])
+def test_every_spec_value_gives_a_decision(target: float, rate: float) -> None:
+    """A hostile target or growth rate made math.ceil(inf) raise on every pass (no usage booked again)."""
+    config = Autoscaling(min_replicas=1, max_replicas=8, metric="queuedRequests", target=target,
+                         max_scale_up_rate=rate, stable_window_seconds=100, panic_window_seconds=10)
+    decision = decide(config, flat(40), [], 2, 2, False, NOW, 0.0)
+    assert 1 <= decision.replicas <= 8
+
+
+def test_a_blind_round_is_no_observation_and_an_unread_pod_counts_as_at_target() -> None:
+    from tally_operator.autoscale import round_signal
+
+    assert round_signal("queuedRequests", 4.0, [], 4) is None
+    assert round_signal("queuedRequests", 4.0, [{contract.QUEUED_REQUESTS: 8.0}], 3) == 8.0 + 3 * 4.0
+
+
+def test_a_pod_not_read_is_deleted_last() -> None:
+    from tally_operator.autoscale import UNREAD_DELETION_COST
+
+    assert deletion_cost(None) == UNREAD_DELETION_COST > deletion_cost({contract.QUEUED_REQUESTS: MAX_LOAD})

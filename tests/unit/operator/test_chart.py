@@ -37,6 +37,22 @@ def test_the_crd_parses_and_holds_the_rules_a_service_author_cannot_bypass() -> 
     assert spec["auth"]["properties"]["apiKeysSecret"]["required"] == ["name"]
 
 
+def test_the_crd_and_the_admission_policy_allow_the_engine_args_the_contract_allows() -> None:
+    """One allow-list, three places that enforce it: contract.py (operator, runtime), the CRD, the policy."""
+    import yaml
+
+    from tally_runtime.contract import engine_args_pattern
+
+    crd = yaml.safe_load((ROOT / "crds" / "serving.tally.dev_completionservices.yaml").read_text())
+    args = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"][
+        "properties"]["args"]
+    assert [r["rule"] for r in args["x-kubernetes-validations"]] == [
+        f"self.all(a, a.matches('{engine_args_pattern()}'))"]
+    assert args["maxItems"] == 64
+    policy = (CHART / "templates" / "admission-policy.yaml").read_text()
+    assert f"object.spec.engine.args.all(a, a.matches('{engine_args_pattern()}'))" in policy
+
+
 def test_every_property_of_the_crd_declares_its_type() -> None:
     """A description with a comma in a YAML flow map silently becomes another property: catch it here."""
     import yaml

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tally_operator.conditions import Verdict, set_condition, transitions
+from tally_operator.conditions import Condition, Verdict, is_bad, set_condition, transitions
 
 
 def test_transition_time_moves_only_on_a_flip() -> None:
@@ -13,3 +13,14 @@ def test_transition_time_moves_only_on_a_flip() -> None:
     assert flipped[0]["observedGeneration"] == 2
     assert [c["type"] for c in transitions(first, flipped)] == ["Ready"]
     assert transitions(first, same) == []
+
+
+def test_scaling_within_bounds_is_good_news_and_limited_scaling_the_warning() -> None:
+    """The review saw ScalingLimited=False posted as a Warning and ScalingLimited=True as Normal."""
+
+
+    def cond(status: str) -> Condition:
+        return {"type": "ScalingLimited", "status": status, "reason": "r", "message": "m",
+                "lastTransitionTime": "t", "observedGeneration": 1}
+
+    assert is_bad(cond("True")) and not is_bad(cond("False"))

@@ -14,7 +14,7 @@ META = {"name": "llama", "namespace": "team-a", "uid": "u-1"}
 
 
 SGLANG = {"model": {"name": "llama-8b", "path": "/models/llama"}, "engine": {"kind": "sglang", "tensorParallelSize": 2,
-          "args": ["--stream-interval", "2"]}, "replicas": 3, "resources": {"gpus": 4}}
+          "args": ["--stream-interval=2"]}, "replicas": 3, "resources": {"gpus": 4}}
 
 
 def container(raw: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def test_runtime_args_carry_the_sglang_settings() -> None:
     assert args[:9] == ["serve", "--host", "::", "--port", "8000", "--metrics-port", "8001", "--engine", "sglang"]
     pairs = dict(zip(args[1::2], args[2::2], strict=False))
     assert pairs["--tensor-parallel-size"] == "2" and pairs["--data-parallel-size"] == "2"
-    assert pairs["--model-path"] == "/models/llama" and args[-1] == "--engine-args=--stream-interval 2"
+    assert pairs["--model-path"] == "/models/llama" and args[-1] == "--engine-arg=--stream-interval=2"
 
 
 def test_cpu_engine_without_gpus_has_no_gpu_limit_or_toleration() -> None:
@@ -97,5 +97,23 @@ def test_pods_keep_their_counters_on_a_volume_and_get_time_to_drain() -> None:
 @pytest.mark.parametrize("flag", ["--stream-output", "--incremental-streaming-output"])
 def test_the_streaming_switch_in_engine_args_is_accepted_as_the_runtime_accepts_it(flag: str) -> None:
     """One rule on both sides: Tally always turns incremental streaming on, so the flag is redundant."""
-    spec = parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": [flag, "--stream-interval", "2"]}})
-    assert f"--engine-args={flag} --stream-interval 2" in runtime_args(spec, META)
+    spec = parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": [flag, "--stream-interval=2"]}})
+    args = runtime_args(spec, META)
+    assert args[-2:] == [f"--engine-arg={flag}", "--engine-arg=--stream-interval=2"]
+
+
+@pytest.mark.parametrize("item", [
+    "--chat-template=x --trust-remote --tokenizer-pa evil-org/evil",  # one item, read as three options once split
+    " --trust-remote",  # whitespace before an abbreviation
+    "--stream-interval 2",  # two options' worth of text in one item
+    "--tokenizer-path=evil-org/evil",
+    "--log-requests",  # prompts into the logs
+    "--speculative-draft-model-path=evil-org/evil",
+    "--disable-radix-cache=true",  # a switch given a value
+    "--stream-interval=/etc/passwd",  # a path as a value
+    "--stream-interval=",
+])
+def test_engine_args_outside_the_allow_list_are_refused(item: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": ["--stream-interval=2", item]}})
+    assert refused.value.reason in {"ForbiddenEngineArgument", "OwnedEngineArgument"}

@@ -51,6 +51,10 @@ def test_refused_by_default(raw: dict[str, Any], reason: str) -> None:
                  id="code-loading"),
     pytest.param(spec(engine={"args": ["--mem-frac=0.99"]}), "OwnedEngineArgument", id="abbreviated-owned"),
     pytest.param(spec(engine={"args": ["--trust-remote"]}), "OwnedEngineArgument", id="abbreviated-flag"),
+    pytest.param(spec(engine={"args": [" --trust-remote"]}), "OwnedEngineArgument", id="abbreviated-after-space"),
+    pytest.param(spec(engine={"args": ["--chat-template=x --trust-remote"]}), "ForbiddenEngineArgument",
+                 id="hidden-in-a-value"),
+    pytest.param(spec(engine={"args": ["--load-format=dummy"]}), "ForbiddenEngineArgument", id="not-allowed"),
 ])
 def test_refused_whatever_the_settings(raw: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError) as refused:
@@ -60,7 +64,7 @@ def test_refused_whatever_the_settings(raw: dict[str, Any], reason: str) -> None
 
 def test_what_a_plain_service_needs_is_allowed_and_settings_widen_it() -> None:
     plain = spec(model={"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "weights"}}},
-                 engine={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}], "args": ["--stream-interval", "2"]},
+                 engine={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}], "args": ["--stream-interval=2"]},
                  scheduling={"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]})
     check_policy(parse_spec(plain), DEFAULTS)
     wide = OperatorSettings(allowed_images=("registry.example/tally/*",), allowed_toleration_keys=("pool",),

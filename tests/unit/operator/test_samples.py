@@ -83,3 +83,24 @@ def test_tenants_beyond_the_bound_are_added_into_other_and_the_sum_is_kept() -> 
     assert len(sample.tenants) == MAX_TENANTS_PER_POD + 1 and sample.tenants_capped == 25
     assert sample.tenants["other"].completion_tokens == 50
     assert sum(t.completion_tokens for t in sample.tenants.values()) == 2 * count
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    pytest.param("tally_completion_tokens_total 1e19", "no larger than 2\\^53", id="above-int64"),
+    pytest.param("tally_completion_tokens_total 1e300", "no larger than 2\\^53", id="far-above"),
+    pytest.param("tally_completion_tokens_total 10.5", "whole number", id="fractional"),
+    pytest.param('tally_tenant_prompt_tokens_total{tenant="a"} 0.25', "whole number", id="fractional-tenant"),
+])
+def test_counts_that_no_pod_can_have_are_refused_whole(line: str, why: str) -> None:
+    """A counter of 1e19 is finite and not negative, but the status write would carry an integer the API
+    server refuses, and every later pass, for every pod, would fail the same way."""
+    with pytest.raises(MetricsParseError, match=why):
+        parse_sample(METRICS + line + "\n", expected_pod_uid="uid-1")
+
+
+def test_counters_summed_over_label_sets_above_2_to_the_53_are_refused() -> None:
+    big = 2**52
+    lines = "".join(f'tally_requests_total{{endpoint="e{i}",outcome="ok",finish_reason="stop"}} {big}\n'
+                    for i in range(3))
+    with pytest.raises(MetricsParseError, match="2\\^53"):
+        parse_sample(EPOCH + POD + "# TYPE tally_requests counter\n" + lines, expected_pod_uid="uid-1")

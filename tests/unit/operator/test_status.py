@@ -19,6 +19,11 @@ def deployment(ready: int, updated: int = 2, replicas: int = 2, **conditions: st
         "conditions": [{"type": k, "status": "True", "reason": v} for k, v in conditions.items()]}}
 
 
+def pod(ready: bool, restarts: int = 0) -> dict[str, Any]:
+    return {"metadata": {}, "status": {"conditions": [{"type": "Ready", "status": str(ready)}],
+                                       "containerStatuses": [{"restartCount": restarts}]}}
+
+
 def by_type(verdicts: list[Verdict]) -> dict[str, Verdict]:
     return {v.type: v for v in verdicts}
 
@@ -27,6 +32,10 @@ def by_type(verdicts: list[Verdict]) -> dict[str, Verdict]:
     pytest.param(deployment(2), [], ("True", "AllReplicasReady"), ("False", "Stable"), id="ready"),
     pytest.param(deployment(1), [], ("False", "WaitingForPods"), ("True", "RollingOut"), id="rolling"),
     pytest.param(None, [], ("False", "WaitingForPods"), ("True", "RollingOut"), id="no-deployment-yet"),
+    pytest.param(deployment(1), [pod(ready=True), pod(ready=False)], ("True", "ScalingUp"), ("True", "ScalingUp"),
+                 id="a-scale-up-is-progress-not-a-failure"),
+    pytest.param(deployment(1), [pod(ready=True), pod(ready=False, restarts=3)], ("False", "WaitingForPods"),
+                 ("True", "RollingOut"), id="a-crashing-pod-is-lost-capacity"),
     pytest.param(deployment(0, 0), [{"status": {"conditions": [{"type": "PodScheduled", "reason": "Unschedulable",
                  "message": "0/2 nodes: Insufficient nvidia.com/gpu"}]}}], ("False", "Unschedulable"),
                  ("True", "Unschedulable"), id="no-gpus"),

@@ -132,3 +132,10 @@ def test_only_pods_of_this_services_own_replica_sets_are_counted() -> None:
     assert [p["metadata"]["uid"] for p in owned_pods(pods, replica_sets, deployment, "cs")] == ["mine"]
     assert owned_pods(pods, replica_sets, deployment, "another-cs") == []  # a Deployment we do not own
     assert owned_pods(pods, replica_sets, None, "cs") == []
+
+
+def test_totals_stay_an_integer_the_status_can_hold() -> None:
+    from tally_operator.samples import MAX_COUNT
+
+    ledger = run(Round({"a": at(MAX_COUNT)}), Round({"a": at(MAX_COUNT), "b": at(MAX_COUNT)}))
+    assert ledger.totals.completion_tokens == MAX_COUNT < 2**63

@@ -10,6 +10,7 @@ import pytest
 
 from tally_runtime.auth import (
     ApiKeys,
+    Key,
     KeysFileError,
     Tenant,
     authenticate,
@@ -24,10 +25,10 @@ KEY_B = "sk-beta-0123456789abcdefg"
 
 
 def test_a_keys_file_is_parsed_and_its_problems_named_by_line_only() -> None:
-    keys, problems = parse_keys(f"# tenants\nteam-a {KEY_A}\n\nteam-b {KEY_B}\nbroken\nother sk-other-0123456789abc\n"
-                                f"team-c short\nteam-d {KEY_A}\n")
-    assert sorted(keys.values()) == ["team-a", "team-b"]
-    assert [p.split(":")[0] for p in problems] == ["line 5", "line 6", "line 7", "line 8"]
+    keys, problems = parse_keys(f"# tenants\nteam-a {KEY_A}\n\nteam-b {KEY_B} gateway\nbroken\n"
+                                f"other sk-other-0123456789abc\nteam-c short\nteam-d {KEY_A}\nteam-e {KEY_B}x admin\n")
+    assert sorted(keys.values(), key=lambda k: k.tenant) == [Key("team-a"), Key("team-b", gateway=True)]
+    assert [p.split(":")[0] for p in problems] == ["line 5", "line 6", "line 7", "line 8", "line 9"]
     assert not [p for p in problems if KEY_A in p or "sk-other" in p]  # no key reaches a log
 
 
@@ -50,7 +51,7 @@ def keys_file(tmp_path: Path, text: str) -> ApiKeys:
 
 def test_keys_are_required_and_name_the_tenant(tmp_path: Path) -> None:
     keys = keys_file(tmp_path, f"team-a {KEY_A}\n")
-    assert authenticate(keys, [f"Bearer {KEY_A}"]) == "team-a"
+    assert authenticate(keys, [f"Bearer {KEY_A}"]) == Key("team-a")
     for header in ([], [f"Bearer {KEY_B}"]):
         with pytest.raises(ApiError) as refused:
             authenticate(keys, header)
@@ -58,16 +59,26 @@ def test_keys_are_required_and_name_the_tenant(tmp_path: Path) -> None:
     assert authenticate(None, []) is None
 
 
+GATEWAY = Key("gateway", gateway=True)
+
+
 @pytest.mark.parametrize(("keyed", "headers", "trust", "user", "tenant"), [
-    pytest.param("team-a", ["spoofed"], False, "someone", Tenant("team-a", "key"), id="key-beats-header-and-user"),
-    pytest.param("gateway", ["team-x"], True, None, Tenant("team-x", "header"), id="gateway-mode"),
-    pytest.param("gateway", [], True, None, Tenant("gateway", "key"), id="gateway-without-header"),
+    pytest.param(Key("team-a"), ["spoofed"], False, "someone", Tenant("team-a", "key"), id="key-beats-header-and-user"),
+    pytest.param(GATEWAY, ["team-x"], True, None, Tenant("team-x", "header"), id="gateway-mode"),
+    pytest.param(GATEWAY, [], True, None, Tenant("gateway", "key"), id="gateway-without-header"),
+    pytest.param(Key("team-a"), [], True, None, Tenant("team-a", "key"), id="plain-key-in-gateway-mode"),
     pytest.param(None, ["team-y"], True, "u", Tenant("team-y", "header"), id="no-keys-header"),
     pytest.param(None, [], True, "user-7", Tenant("user-7", "user"), id="no-keys-user"),
     pytest.param(None, [], True, None, Tenant("anonymous", "none"), id="nobody"),
 ])
-def test_who_is_billed(keyed: str | None, headers: list[str], trust: bool, user: str | None, tenant: Tenant) -> None:
+def test_who_is_billed(keyed: Key | None, headers: list[str], trust: bool, user: str | None, tenant: Tenant) -> None:
     assert resolve(keyed, headers, trust, "X-Tally-Tenant", user) == tenant
+
+
+def test_in_gateway_mode_only_a_gateway_key_may_name_the_tenant() -> None:
+    with pytest.raises(ApiError) as refused:
+        resolve(Key("team-a"), ["team-b"], True, "X-Tally-Tenant", None)
+    assert (refused.value.status, refused.value.code) == (403, "tenant_header_not_allowed")
 
 
 @pytest.mark.parametrize(("headers", "user"), [
@@ -81,20 +92,26 @@ def test_ambiguous_or_reserved_tenants_are_refused(headers: list[str], user: str
     assert (refused.value.status, refused.value.code) == (400, "invalid_tenant")
 
 
-def test_a_rotated_secret_is_reloaded_and_a_broken_one_keeps_the_last_keys(tmp_path: Path) -> None:
+def test_a_rotated_secret_is_reloaded_and_a_broken_one_revokes_every_key(tmp_path: Path) -> None:
+    """Revocation fails closed: a Secret emptied, left with nothing usable, or removed leaves no key valid
+    (the review found the old keys kept working until a restart)."""
     keys = keys_file(tmp_path, f"team-a {KEY_A}\n")
     path = tmp_path / "api-keys"
     replacement = tmp_path / "api-keys.new"  # the kubelet swaps a mounted Secret's file atomically
     replacement.write_text(f"team-b {KEY_B}\n")
     os.replace(replacement, path)
     keys.checked = -1e9  # the next look is due (it looks at most once a second)
-    assert keys.tenant_of(KEY_B) == "team-b" and keys.tenant_of(KEY_A) is None
-    path.write_text("nonsense\n")
-    keys.checked = -1e9
-    assert keys.tenant_of(KEY_B) == "team-b"  # nothing usable: the previous keys stay in force
-    path.unlink()
-    keys.checked = -1e9
-    assert keys.tenant_of(KEY_B) == "team-b"
+    assert keys.tenant_of(KEY_B) == "team-b" and keys.tenant_of(KEY_A) is None and not keys.problem
+    for broken in ("nonsense\n", "", None):
+        if broken is None:
+            path.unlink()
+        else:
+            path.write_text(broken)
+        keys.checked = -1e9
+        assert keys.tenant_of(KEY_B) is None and keys.problem, broken
+        path.write_text(f"team-b {KEY_B}\n")
+        keys.checked = -1e9
+        assert keys.tenant_of(KEY_B) == "team-b" and not keys.problem
 
 
 def test_a_keys_file_that_cannot_be_used_at_start_up_stops_the_runtime(tmp_path: Path) -> None:

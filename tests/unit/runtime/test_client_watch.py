@@ -24,8 +24,9 @@ from tally_runtime.settings import Settings
 
 
 class Client:
-    def __init__(self, body: dict[str, Any], stall_at_chunk: int | None = None) -> None:
+    def __init__(self, body: dict[str, Any], stall_at_chunk: int | None = None, stays: bool = False) -> None:
         self.body = orjson.dumps(body)
+        self.stays = stays  # stalls without leaving: a client that stopped reading
         self.body_read = False
         self.left = asyncio.Event()
         self.stall_at_chunk = stall_at_chunk  # leave, and stall the write, when this body chunk is sent
@@ -44,7 +45,8 @@ class Client:
         if message["type"] == "http.response.body" and message.get("body"):
             self.chunks.set()
             if len(self.body_chunks) == self.stall_at_chunk:
-                self.left.set()
+                if not self.stays:
+                    self.left.set()
                 await asyncio.Event().wait()  # the transport is paused; its client will never read
 
     @property
@@ -64,9 +66,10 @@ def scope(path: str = "/v1/completions") -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running(engine: ScriptedEngine) -> AsyncIterator[tuple[Any, Server, asyncio.Task[None]]]:
+async def running(engine: ScriptedEngine, **settings: Any) -> AsyncIterator[tuple[Any, Server, asyncio.Task[None]]]:
     """The app with its lifespan run: the server and the engine as `tally-runtime serve` has them."""
-    app = create_app(Settings(served_model_name="m", max_concurrent_generations=4, usage_records=False), engine)
+    app = create_app(Settings(**{"served_model_name": "m", "max_concurrent_generations": 4, "usage_records": False,
+                                 **settings}), engine)
     inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     lifespan = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
@@ -216,6 +219,55 @@ def test_a_client_that_stays_gets_every_token_and_leaves_no_watcher_behind() -> 
             assert counter(srv, "tally_requests_total", {"outcome": "ok"}) == 2
             assert counter(srv, "tally_completion_tokens_total") == 100
             assert srv.admission.idle
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_stops_reading_frees_its_slots_when_the_engine_is_done_and_is_recorded() -> None:
+    """The review's case: with one slot, a stream whose client stopped reading held the slot after the engine
+    went idle, and the next request got 503. Now the slot follows the engine; the stall limit ends the
+    stream and books it (billed all the engine generated)."""
+    async def scenario() -> None:
+        engine = ScriptedEngine(Script({0: tokens(50)}, paced=True))
+        async with running(engine, max_concurrent_generations=1, send_stall_seconds=0.5) as (app, srv, lifespan):
+            stalled = Client(STREAM, stall_at_chunk=1, stays=True)
+            served = serve(app, stalled)
+            await until(lambda: srv.admission.idle and bool(srv.runs))  # engine done, client not
+            assert counter(srv, "tally_requests_total") == 0  # not recorded yet: still being sent
+            next_one = Client(STREAM | {"stream": False})
+            await serve(app, next_one)
+            assert next_one.status == 200  # the slot was free
+            await served  # the stall limit ended it
+            await srv.settle()
+            assert counter(srv, "tally_requests_total", {"outcome": "aborted"}) == 1
+            assert counter(srv, "tally_completion_tokens_total") == 50 + 50  # the scripted engine's 50 each
+            assert srv.done
+            await no_task_left_but(lifespan)
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_reader_at_the_drain_deadline_is_recorded_and_the_final_read_happens() -> None:
+    from tally_runtime.drain import Drain, final_counters
+
+    async def scenario() -> None:
+        engine = ScriptedEngine(Script({0: tokens(50)}, paced=True))
+        async with running(engine, send_stall_seconds=600) as (app, srv, _lifespan):
+            stalled = Client(STREAM, stall_at_chunk=1, stays=True)
+            served = serve(app, stalled)
+            await until(lambda: srv.admission.idle and bool(srv.runs))
+            exited = asyncio.Event()
+            drain = Drain(srv, drain_seconds=0.2, final_read_seconds=10, exit_now=exited.set)
+            drain.begin()
+            await until(lambda: srv.done)  # booked at the deadline, its socket still stalled
+            assert counter(srv, "tally_completion_tokens_total") == 50
+            assert not exited.is_set()  # waiting for the operator's final read
+            assert drain.acknowledge({**final_counters(srv.metrics.totals)})
+            await exited.wait()
+            served.cancel()  # what uvicorn's graceful shutdown does to a connection that never ends
+            with contextlib.suppress(asyncio.CancelledError):
+                await served
+            assert counter(srv, "tally_requests_total") == 1
 
     asyncio.run(scenario())
 

@@ -12,10 +12,15 @@ def test_defaults() -> None:
 
 
 def test_flags_win_over_environment() -> None:
-    settings = settings_from(["--port", "9001", "--force-include-usage"],
-                             {"TALLY_PORT": "9000", "TALLY_CONTEXT_LENGTH": "1024", "TALLY_ENGINE_ARGS": "--a 1"})
+    environment = {"TALLY_PORT": "9000", "TALLY_CONTEXT_LENGTH": "1024", "TALLY_ENGINE_ARGS": '["--a=1 --b"]'}
+    settings = settings_from(["--port", "9001", "--force-include-usage"], environment)
     assert settings.port == 9001 and settings.context_length == 1024
-    assert settings.force_include_usage is True and settings.engine_args == ("--a", "1")
+    assert settings.force_include_usage is True and settings.engine_args == ("--a=1 --b",)
+
+
+def test_engine_args_are_one_item_per_flag_never_split() -> None:
+    settings = settings_from(["--engine-arg=--chat-template=x --trust-remote", "--engine-arg", "2"], {})
+    assert settings.engine_args == ("--chat-template=x --trust-remote", "2")
 
 
 @pytest.mark.parametrize(("argv", "env"), [
@@ -23,6 +28,8 @@ def test_flags_win_over_environment() -> None:
     pytest.param(["--port", "0"], {}, id="port"),
     pytest.param([], {"TALLY_FORCE_INCLUDE_USAGE": "maybe"}, id="bool-env"),
     pytest.param(["--max-concurrent-generations", "0"], {}, id="slots"),
+    pytest.param([], {"TALLY_ENGINE_ARGS": "--a 1"}, id="engine-args-not-a-json-array"),
+    pytest.param(["--max-concurrent-gen", "2"], {}, id="abbreviated-flag"),
 ])
 def test_bad_settings_exit_with_usage(argv: list[str], env: dict[str, str]) -> None:
     with pytest.raises(SystemExit) as caught:

@@ -1,0 +1,201 @@
+"""Connections of a real runtime process: what a client without a key can hold, what the probes and the
+operator always get, how keys are revoked, and how a drain moves pooled clients away."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from runtime_harness import free_port, runtime_process, until
+
+MODEL = "smollm2-135m-instruct"
+KEY_A, KEY_G = "sk-team-a-0123456789abcdef", "sk-gateway-0123456789abcdef"
+BODY_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+             b"content-length: 1000\r\n\r\n{\"prompt\": \"")
+
+
+def connect(url: str, source: str = "127.0.0.1") -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+    return sock
+
+
+def read_all(sock: socket.socket, seconds: float = 10) -> bytes:
+    sock.settimeout(seconds)
+    chunks = []
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@contextlib.contextmanager
+def tricklers(url: str, sources: list[str], data: bytes) -> Iterator[list[socket.socket]]:
+    """One connection per source address that sends `data` (less than a request), then stalls."""
+    socks = []
+    try:
+        for source in sources:
+            try:
+                sock = connect(url, source)
+                sock.sendall(data)
+            except OSError:
+                continue
+            socks.append(sock)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def answered(socks: list[socket.socket], count: int, seconds: float = 10) -> list[socket.socket]:
+    """Wait until `count` of the sockets have something to read (or the deadline); those that do."""
+    deadline = time.monotonic() + seconds
+    while True:
+        ready = select.select(socks, [], [], 0.05)[0]
+        if len(ready) >= count or time.monotonic() > deadline:
+            return ready
+
+
+def sourced(source: str) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30)
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"team-a {KEY_A}\n")
+    metrics_port = free_port()
+    with runtime_process(tmp_path / "rt.log", "--api-keys-file", str(keys), "--metrics-port", str(metrics_port),
+                         "--max-connections", "50", "--max-unauthenticated-connections-per-client", "8",
+                         "--body-timeout-seconds", "4") as (_, url):
+        yield url, f"{url.rsplit(':', 1)[0]}:{metrics_port}"
+
+
+def test_connections_without_a_key_cannot_starve_probes_scrapes_or_keyed_clients(keyed: tuple[str, str]) -> None:
+    """The review's attack: 50 trickling connections (the limit) made /health, an authenticated request and
+    the metrics port all answer 503. Now one address holds 8 before it authenticates, and the metrics port
+    has capacity of its own."""
+    url, metrics = keyed
+    with tricklers(url, ["127.0.0.1"] * 60, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") as held:
+        assert len(held) == 60
+        refused = answered(held, 60 - 8)
+        assert len(refused) == 60 - 8 and all(read_all(s, 2).startswith(b"HTTP/1.1 429") for s in refused)
+        assert httpx.get(f"{metrics}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{metrics}/metrics", timeout=5).status_code == 200
+        with sourced("127.0.0.2") as other:  # a keyed client from elsewhere is served
+            reply = other.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                               headers={"Authorization": f"Bearer {KEY_A}"})
+            assert reply.status_code == 200
+
+
+def test_a_body_that_stalls_ends_at_its_deadline(keyed: tuple[str, str]) -> None:
+    url, _ = keyed
+    head = BODY_HEAD.replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
+    started = time.monotonic()
+    with tricklers(url, ["127.0.0.1"] * 10, head) as held:
+        assert len(answered(held, 10, 15)) == 10
+        assert all(read_all(s, 2).startswith(b"HTTP/1.1 408") for s in held)
+    assert time.monotonic() - started < 10  # the body's deadline (4 s), not the client's patience
+
+
+def test_a_full_api_port_leaves_the_metrics_port_answering(keyed: tuple[str, str]) -> None:
+    url, metrics = keyed
+    with tricklers(url, [f"127.0.1.{i}" for i in range(1, 56)], b"GET /health HTTP/1.1\r\n") as held:
+        full = answered(held, 5)
+        assert len(full) == 5 and all(read_all(s, 2).startswith(b"HTTP/1.1 503") for s in full)
+        assert httpx.get(f"{metrics}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{metrics}/metrics", timeout=5).status_code == 200
+
+
+def test_an_authentication_refusal_closes_its_connection_and_models_need_a_key(keyed: tuple[str, str]) -> None:
+    url, _ = keyed
+    sock = connect(url)
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = read_all(sock, 10)  # ends: the server closed the connection
+    assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
+    assert b"invalid_api_key" in answer
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+
+
+def test_the_final_read_body_is_bounded_before_it_is_read(keyed: tuple[str, str]) -> None:
+    _, metrics = keyed
+    sock = connect(metrics)  # a 200 MiB body, declared: refused before any of it is read
+    sock.sendall(b"POST /internal/final-read HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 209715200\r\n\r\n{")
+    assert read_all(sock, 10).startswith(b"HTTP/1.1 413")
+    chunked = httpx.post(f"{metrics}/internal/final-read", content=iter([b"{\"a\": \"" + b"x" * 8192, b"\"}"]))
+    assert chunked.status_code == 413
+
+
+def test_revoked_keys_fail_closed_and_come_back(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"team-a {KEY_A}\n")
+    metrics_port = free_port()
+    with runtime_process(tmp_path / "rt.log", "--api-keys-file", str(keys),
+                         "--metrics-port", str(metrics_port)) as (_, url):
+        health = f"{url.rsplit(':', 1)[0]}:{metrics_port}/health"
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
+        sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        for broken in ("", "only-one-field\n", None):  # emptied, nothing usable, removed
+            if broken is None:
+                keys.unlink()
+            else:
+                keys.write_text(broken)
+            assert until(lambda: httpx.get(health).status_code == 503, 10), broken
+            assert "API keys" in httpx.get(health).json()["reason"]
+            with pytest.raises(openai.AuthenticationError):
+                sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+            keys.write_text(f"team-a {KEY_A}\n")
+            assert until(lambda: httpx.get(health).status_code == 200, 10)
+            sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    log = (tmp_path / "rt.log").read_text()
+    assert "no API key is valid" in log and KEY_A not in log
+
+
+def test_only_a_gateway_key_may_name_the_tenant(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"team-a {KEY_A}\nedge {KEY_G} gateway\n")
+    with runtime_process(tmp_path / "rt.log", "--api-keys-file", str(keys), "--trust-tenant-header") as (_, url):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+        spoof = httpx.post(f"{url}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {KEY_A}", "X-Tally-Tenant": "team-b"})
+        assert spoof.status_code == 403 and spoof.json()["error"]["param"] == "X-Tally-Tenant"
+        named = httpx.post(f"{url}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {KEY_G}", "X-Tally-Tenant": "team-b"})
+        assert named.status_code == 200
+        plain = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+        assert plain.status_code == 200
+
+
+def test_a_drain_closes_idle_pooled_connections_and_every_later_response_closes_its_own(tmp_path: Path) -> None:
+    """The review saw 5 of 5 requests get 503 on one pooled connection during a drain, and an SDK call fail
+    after 3 tries with no new connection: a Service balances per connection, so a client has to be moved."""
+    with runtime_process(tmp_path / "rt.log", "--max-concurrent-generations", "2",
+                         "--drain-seconds", "60") as (proc, url):
+        idle = connect(url)
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = idle.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first.lower()  # kept alive
+        body = b'{"prompt": "Count to one thousand:", "max_tokens": 40, "ignore_eos": true, "stream": true}'
+        streaming = connect(url)
+        streaming.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert streaming.recv(65536).startswith(b"HTTP/1.1 200")  # in flight when the signal comes
+        proc.send_signal(signal.SIGTERM)
+        assert read_all(idle, 10) == b""  # the idle keep-alive connection is closed by the server
+        late = connect(url)
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 2\r\n\r\n{}")
+        answer = read_all(late, 10)  # read to its end: the server closed it after the answer
+        assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower()
+        rest = read_all(streaming, 60)  # the stream in flight finishes, then its connection closes
+        assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
