@@ -366,7 +366,12 @@ down() {
 }
 
 env_line() {
-  echo "export KUBECONFIG=$KUBECONFIG_FILE TALLY_PROXY=socks5://tally:$(cat "$DIR/proxy.secret" 2>/dev/null)@127.0.0.1:$PROXY_PORT"
+  local secret
+  secret=$(cat "$DIR/proxy.secret" 2>/dev/null)
+  # curl reads the relay's password from a 0600 file (curl -K), never from its command line (the process list)
+  [[ ! -d $DIR ]] || (umask 077; printf 'proxy = "socks5://127.0.0.1:%s"\nproxy-user = "tally:%s"\n' \
+    "$PROXY_PORT" "$secret" > "$DIR/curlrc")
+  echo "export KUBECONFIG=$KUBECONFIG_FILE TALLY_PROXY=socks5://tally:$secret@127.0.0.1:$PROXY_PORT TALLY_CURLRC=$DIR/curlrc"
 }
 
 case ${1:-} in

@@ -12,6 +12,12 @@
 # containerd may not raise OOM scores, and iptables rules live in the namespace.
 set -euo pipefail
 
+# Refuse empty or unsafe values before they name anything: an empty NETNS would make the node's cgroup the
+# root cgroup, whose processes `down` kills
+[[ ${DIR:-} == /* && ${NETNS:-} =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] || {
+  echo "[node] ERROR: DIR must be an absolute path and NETNS a plain name (got DIR='${DIR:-}' NETNS='${NETNS:-}')" >&2
+  exit 1
+}
 NODE=$DIR/node
 CGROOT=/$NETNS
 SOCK=$NODE/run/containerd.sock

@@ -2,8 +2,8 @@
 
 Creating a CompletionService should grant its author no more than running a service: no host files, no
 Secrets, no images the platform did not approve, no scheduling privileges. The defaults allow a PVC,
-ConfigMap, emptyDir or image volume for the model, the operator's own runtime image, and a toleration of
-the GPU resource's taint; the chart's `policy` values widen them (and feed the same lists to the chart's
+ConfigMap or emptyDir volume for the model, the operator's own runtime image, an allowed GPU resource and a
+toleration of its taint; the chart's `policy` values widen them (and feed the same lists to the chart's
 ValidatingAdmissionPolicy, which refuses such a spec before it reaches etcd). Refusals are `SpecError`s
 with a `Forbidden...` reason: the status says Ready=False and why.
 """
@@ -26,6 +26,10 @@ def check_policy(spec: Spec, settings: OperatorSettings) -> None:
     if spec.image and not image_allowed(spec.image, (settings.runtime_image, *settings.allowed_images)):
         raise SpecError("ForbiddenImage", f"spec.engine.image {spec.image!r} is not an image this operator "
                                           "runs (see the chart's policy.allowedImages)")
+    if spec.gpu_resource_name not in settings.allowed_gpu_resource_names:
+        raise SpecError("ForbiddenGpuResourceName", f"resources.gpuResourceName {spec.gpu_resource_name!r} is not a "
+                                                    "GPU resource this operator allows (see the chart's "
+                                                    "policy.allowedGpuResourceNames)")
     allowed_keys = {spec.gpu_resource_name, *settings.allowed_toleration_keys}
     for toleration in spec.tolerations:
         key = str(toleration.get("key") or "")

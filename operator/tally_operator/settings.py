@@ -2,8 +2,8 @@
 
 The `allowed_*` settings are what a CompletionService may ask for beyond a plain service (spec.py checks
 them; the chart's admission policy holds the same lists): each is a comma-separated list in its variable.
-By default a CompletionService may mount a PVC, ConfigMap, emptyDir or image volume, run the operator's own
-runtime image, tolerate the GPU resource's taint, and nothing more."""
+By default a CompletionService may mount a PVC, ConfigMap or emptyDir volume, run the operator's own runtime
+image, ask for nvidia.com/gpu or amd.com/gpu and tolerate that resource's taint, and nothing more."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ class OperatorSettings:
     scrape_timeout: float = 3.0
     peering_name: str = "tally-operator"  # the chart sets the release's full name
     peering_clusterwide: bool = True  # False for an operator that watches given namespaces
-    allowed_volume_types: tuple[str, ...] = ("persistentVolumeClaim", "configMap", "emptyDir", "image")
+    # An image volume mounts any image the node can pull: allowed only when the chart's policy names it
+    allowed_volume_types: tuple[str, ...] = ("persistentVolumeClaim", "configMap", "emptyDir")
+    # resources.gpuResourceName: its taint is tolerated too, so it must be a GPU's (never a control plane's)
+    allowed_gpu_resource_names: tuple[str, ...] = ("nvidia.com/gpu", "amd.com/gpu")
     allowed_images: tuple[str, ...] = ()  # beyond runtime_image; an entry ending in '*' is a prefix
     allowed_toleration_keys: tuple[str, ...] = ()  # beyond the GPU resource's own taint
     allowed_priority_classes: tuple[str, ...] = ()

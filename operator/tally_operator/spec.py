@@ -112,6 +112,12 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
 # Environment variables a service may not set: the runtime's own settings (TALLY_*: the operator passes
 # those as flags, and an unset flag would fall back to them) and what changes how Python loads code.
 FORBIDDEN_ENV_PREFIXES = ("TALLY_", "PYTHON", "LD_")
+# Names the operator sets itself (a repeat would win: the last of a name counts), e.g. POD_NAME names the
+# CloudEvents source of every usage record
+RESERVED_ENV = frozenset({"POD_NAME", "HOME", "XDG_CACHE_HOME"})
+# A Secret opts in to holding a service's API keys by its name; any other Secret of the namespace stays out of
+# reach of whoever may create a CompletionService (no Secret is read by the operator to check a label)
+KEYS_SECRET_PREFIX = "tally-api-keys"
 
 
 ENGINE_ARG = re.compile(engine_args_pattern())
@@ -190,9 +196,14 @@ def check(spec: Spec) -> None:
         if "valueFrom" in env:
             raise SpecError("ForbiddenEnv", f"spec.engine.env {name!r} uses valueFrom: only literal values are "
                                             "allowed (a CompletionService may not read Secrets or the pod's fields)")
-        if name.upper().startswith(FORBIDDEN_ENV_PREFIXES):
+        if name.upper().startswith(FORBIDDEN_ENV_PREFIXES) or name in RESERVED_ENV:
+            reserved = ", ".join(sorted(RESERVED_ENV))
             raise SpecError("ForbiddenEnv", f"spec.engine.env may not set {name!r}: names starting with "
-                                            f"{', '.join(FORBIDDEN_ENV_PREFIXES)} are the runtime's own")
+                                            f"{', '.join(FORBIDDEN_ENV_PREFIXES)} and {reserved} are the runtime's own")
+    secret = spec.api_keys_secret
+    if secret and not (secret == KEYS_SECRET_PREFIX or secret.startswith(KEYS_SECRET_PREFIX + "-")):
+        raise SpecError("ForbiddenSecret", f"spec.auth.apiKeysSecret.name must be {KEYS_SECRET_PREFIX} or start with "
+                                           f"{KEYS_SECRET_PREFIX}-: a Secret opts in to holding API keys by its name")
     if spec.engine_kind == "sglang" and spec.gpus % spec.tensor_parallel_size:
         raise SpecError("GPUsNotDivisible",
                         f"resources.gpus ({spec.gpus}) is not a multiple of engine.tensorParallelSize "

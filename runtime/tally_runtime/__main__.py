@@ -83,7 +83,7 @@ def connections_for(settings: Settings) -> Connections:
     if settings.metrics_port:
         caps[settings.metrics_port] = settings.max_metrics_connections
     per_client = settings.max_unauthenticated_connections_per_client if settings.api_keys_file else 0
-    return Connections(caps, settings.max_connections, per_client)
+    return Connections(caps, settings.max_connections, per_client, authenticated_ports=frozenset({settings.port}))
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

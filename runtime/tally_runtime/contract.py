@@ -94,13 +94,15 @@ OWNED_ENGINE_ARGS = frozenset({
 # prompts (--trust-remote-code, --tokenizer-path, --speculative-draft-model-path, --lora-paths, --load-format,
 # --chat-template (a file in the pod), --log-requests, tracing endpoints). Each item of spec.engine.args is one
 # option: `--name=value` for the valued ones (a value of letters, digits and `._:+,-`, no paths), `--name` for
-# the switches. The CRD and the chart's admission policy hold the same list (ENGINE_ARGS_PATTERN, a test keeps
-# them equal); the runtime parses with abbreviations off and its own arguments win.
+# the switches. The CRD and the chart's admission policy hold the same list (`engine_args_pattern`, a test keeps
+# them equal); the runtime parses with abbreviations off and its own arguments win. Names are SGLang 0.5.23's
+# (tests/sglang checks each against its parser); an older SGLang that lacks one refuses it at start-up.
 ENGINE_ARG_VALUES = frozenset({
     "--stream-interval", "--schedule-policy", "--schedule-conservativeness", "--chunked-prefill-size",
     "--max-prefill-tokens", "--max-total-tokens", "--page-size", "--dtype", "--kv-cache-dtype", "--quantization",
     "--attention-backend", "--sampling-backend", "--grammar-backend", "--random-seed", "--watchdog-timeout",
-    "--cuda-graph-max-bs", "--num-continuous-decode-steps", "--tool-call-parser", "--reasoning-parser",
+    "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--num-continuous-decode-steps",
+    "--tool-call-parser", "--reasoning-parser",
     "--device",
 })
 ENGINE_ARG_SWITCHES = frozenset({

@@ -71,6 +71,7 @@ class Choices:
         self.requests = list(requests)
         self.mailbox = Mailbox(len(self.requests))
         self.finished: set[int] = set()  # choices whose engine generator has ended
+        self.finals: Batch = []  # last items that came with a failure (EngineError.final): counts, not output
         self.aborting = False
         self.on_engine_done: Callable[[], None] | None = None  # once every choice's engine generation ended
         self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.requests)]
@@ -88,6 +89,9 @@ class Choices:
                 last = await self._pump_deltas(index, source)
         except Exception as err:
             self.finished.add(index)
+            final = getattr(err, "final", None)
+            if final is not None:
+                self.finals.append((index, final))
             self._close(err)
             return
         self.finished.add(index)

@@ -43,14 +43,20 @@ class Connections:
     connections one client address may hold before any request on them authenticated (0: no bound, as
     without API keys, where nothing authenticates)."""
 
-    def __init__(self, caps: Mapping[int, int], default_cap: int, unauthenticated_per_client: int = 0) -> None:
+    def __init__(self, caps: Mapping[int, int], default_cap: int, unauthenticated_per_client: int = 0,
+                 authenticated_ports: frozenset[int] = frozenset()) -> None:
         self.caps = dict(caps)
         self.default_cap = default_cap
         self.unauthenticated_per_client = unauthenticated_per_client
+        self.authenticated_ports = authenticated_ports  # where the per-client bound applies (the API port)
         self.open: dict[int, set[Any]] = {}
         self.unauthenticated: Counter[str] = Counter()
         self.closing = False  # draining: every response closes its connection
         self.refused: Counter[str] = Counter()  # why connections were refused: "port", "client"
+
+    def bounds_client(self, port: int) -> bool:
+        """Whether a connection on `port` counts against its client's pre-authentication bound."""
+        return bool(self.unauthenticated_per_client) and port in self.authenticated_ports
 
     def admit(self, protocol: Any, port: int, client: str) -> str:
         """Count a new connection in; a non-empty answer is why it is refused (and it is not counted)."""
@@ -58,11 +64,12 @@ class Connections:
         if len(on_port) >= self.caps.get(port, self.default_cap):
             self.refused["port"] += 1
             return "port"
-        if self.unauthenticated_per_client and self.unauthenticated[client] >= self.unauthenticated_per_client:
+        bounded = self.bounds_client(port)
+        if bounded and self.unauthenticated[client] >= self.unauthenticated_per_client:
             self.refused["client"] += 1
             return "client"
         on_port.add(protocol)
-        if self.unauthenticated_per_client:
+        if bounded:
             self.unauthenticated[client] += 1
         return ""
 
@@ -78,11 +85,18 @@ class Connections:
             self.authenticated(client)
 
     def close_after_responses(self) -> None:
-        """From now on no connection is kept alive: idle ones close at once, busy ones after their response
-        (which says `connection: close`), later ones after their first."""
+        """From now on no connection is kept alive: idle ones close at once, and every response not started
+        yet says `connection: close` and closes its connection. A response already under way (a stream) is
+        left alone: closing its connection right after it would race the client's next request on it (a
+        reset); that request instead gets the drain's 503 with `connection: close`, which a client retries on
+        a new connection."""
         self.closing = True
         for protocol in [p for port in self.open.values() for p in port]:
-            protocol.shutdown()
+            cycle = protocol.cycle
+            if cycle is None or cycle.response_complete:
+                protocol.transport.close()
+            elif not cycle.response_started:
+                cycle.keep_alive = False
 
     @property
     def count(self) -> int:
@@ -107,7 +121,7 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
                                                                    if why == "client" else ""), quiet=True)
                     return
                 self._counted = True
-                self._unauthenticated = bool(connections.unauthenticated_per_client)
+                self._unauthenticated = connections.bounds_client(self._port)
             self._arm(head_seconds)
 
         def connection_lost(self, exc: Exception | None) -> None:

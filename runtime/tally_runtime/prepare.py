@@ -130,7 +130,15 @@ class Preparer:
         """The rendered prompt and its ids: the template's own text with special tokens parsed, each
         message's content as plain text. The template already wrote any special tokens it wants (a BOS,
         say): none are added again, as Hugging Face's apply_chat_template(tokenize=True) does not."""
-        segments = chat_segments(self.engine.render_chat, messages)
+        try:
+            segments = chat_segments(self.engine.render_chat, messages)
+        except Exception as err:
+            if not template_refusal(err):
+                raise
+            # A strict template refuses some conversations (roles that do not alternate, a system message):
+            # the client's to fix, so a 400 (a 5xx would be retried by SDKs, and run again twice)
+            raise ApiError(400, f"The model's chat template refused these messages: {str(err)[:200]}",
+                           param="messages") from None
         ids: list[int] = []
         for piece, from_template in segments:
             ids += self.engine.tokenize(piece, add_special_tokens=False, parse_special=from_template)
@@ -210,6 +218,12 @@ def prompt_items(prompt: Any) -> list[str | list[int]]:
     if any(not item for item in prompt):
         raise ApiError(400, "Prompt cannot be empty", param="prompt")
     return list(prompt)
+
+
+def template_refusal(error: Exception) -> bool:
+    """Whether a chat template raised on purpose: `raise_exception(...)` in a template is a ValueError
+    (llama.cpp, older transformers) or jinja2's TemplateError (newer transformers)."""
+    return isinstance(error, ValueError) or any(cls.__name__ == "TemplateError" for cls in type(error).__mro__)
 
 
 def chat_segments(render: Callable[[list[dict[str, str]]], str],

@@ -35,6 +35,7 @@ class ApiError(Exception):
         self.code = code
         self.error_type = _default_type(status)
         self.headers = headers or {}
+        self.recorded = False  # the request it refused is recorded already (serving.Server.start)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}

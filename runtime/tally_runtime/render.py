@@ -15,7 +15,7 @@ import orjson
 from tally_runtime import sse
 from tally_runtime.engine.base import Delta
 from tally_runtime.prepare import Job
-from tally_runtime.streaming import ChatChunks
+from tally_runtime.streaming import ChatChunks, CompletionChunks, TextLogprobs
 from tally_runtime.usage import ChoiceUsage
 
 _dumps = orjson.dumps
@@ -67,7 +67,10 @@ class EventRenderer:
                 # The role chunk carries no token: its running usage has no completion tokens yet.
                 events.append(self.chunks.role(index, usage.running_usage(0) if job.continuous_usage else None))
             elif job.echo:
-                text = job.prompt_texts[index // job.n] + text
+                prefix = job.prompt_texts[index // job.n]
+                text = prefix + text
+                if isinstance(self.chunks, CompletionChunks):
+                    self.chunks.logprobs[index] = TextLogprobs(len(prefix))  # offsets into the echoed text
         if text or delta.finish_reason is not None or delta.logprobs:
             finish = str(delta.finish_reason) if delta.finish_reason is not None else None
             running = usage.running_usage() if job.continuous_usage else None

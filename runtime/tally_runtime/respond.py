@@ -67,9 +67,10 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         # start), the run's books close: the slots go back and the request is recorded.
         asyncio.current_task().add_done_callback(run.close_soon)  # type: ignore[union-attr]
     except ApiError as error:
-        server.reject(endpoint.name, error, tenant, job)
+        if not error.recorded:
+            server.reject(endpoint.name, error, tenant, job)
         return error_response(error)
-    except ClientGone:  # left while queued or in prefill: the server recorded it
+    except ClientGone:  # left while queued or in prefill, or while its refusal closed: the server recorded it
         return Response(status_code=CLIENT_CLOSED)
     except ClientDisconnect:  # left while sending its body: nothing was prepared
         server.abandon(endpoint.name, contract.OUTCOME_ABORTED, tenant, None, started)

@@ -127,7 +127,11 @@ class Server:
         run = Run(self, job, tenant)
         try:
             await run.prime()
-        except ApiError:
+        except ApiError as error:
+            # Recorded before the close is awaited: a client that leaves meanwhile cancels that await, and
+            # its cancellation replaces this refusal
+            self.reject(job.endpoint.name, error, tenant, job)
+            error.recorded = True
             await run.close(refused=True)
             raise
         except BaseException:
@@ -311,7 +315,7 @@ class Run:
             if refused:
                 await self.choices.cancel()
             else:
-                for index, delta in await self.choices.abort():
+                for index, delta in [*await self.choices.abort(), *self.choices.finals]:
                     self.usage[index].observe(delta)
         except Exception:
             log.exception("Ending generation %s failed; it is billed as far as it was read", self.job.header.id)
@@ -402,5 +406,5 @@ class Run:
             await self.close()
         for result, parts in zip(results, texts, strict=True):
             prefix = job.prompt_texts[result.index // job.n] if job.echo else ""
-            result.text = prefix + "".join(parts)
+            result.text, result.text_offset = prefix + "".join(parts), len(prefix)
         return job.endpoint.response(job.header, results, request_usage(self.usage).as_openai())

@@ -127,6 +127,7 @@ class ChoiceResult:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    text_offset: int = 0  # where the generated text starts in `text` (after an echoed prompt)
 
 
 def completion_response(
@@ -134,7 +135,7 @@ def completion_response(
 ) -> dict[str, Any]:
     choices = []
     for result in sorted(results, key=lambda r: r.index):
-        rendered = TextLogprobs().render(result.logprobs) if result.logprobs is not None else None
+        rendered = TextLogprobs(result.text_offset).render(result.logprobs) if result.logprobs is not None else None
         choices.append(
             {"index": result.index, "text": result.text, "logprobs": rendered, "finish_reason": result.finish_reason}
         )

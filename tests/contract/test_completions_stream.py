@@ -136,6 +136,19 @@ def test_t23_t24_echo(http: httpx.Client) -> None:
     assert only["usage"]["completion_tokens"] == 0
 
 
+def test_text_offset_with_echo_starts_at_the_prompts_length(http: httpx.Client) -> None:
+    """Offsets index the text the choice returns; with echo that text starts with the prompt."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "echo": True, "logprobs": 0, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    _, events = stream(http, **{k: v for k, v in body.items() if k != "prompt"})
+    streamed = [o for c in content(events) for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    for offsets, text, tokens in ((plain["logprobs"]["text_offset"], plain["text"], plain["logprobs"]["tokens"]),
+                                  (streamed, None, None)):
+        assert offsets[0] == len(PROMPT), offsets
+        if text is not None and tokens is not None:
+            assert [text[o:o + len(t)] for o, t in zip(offsets, tokens, strict=True)] == tokens
+
+
 def test_t22_stop_string_not_returned(http: httpx.Client) -> None:
     reply = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
                                                "ignore_eos": True, "logprobs": 0}).json()["choices"][0]

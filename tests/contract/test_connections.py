@@ -22,6 +22,10 @@ BODY_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: applica
              b"content-length: 1000\r\n\r\n{\"prompt\": \"")
 
 
+REFUSED = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+           b"content-length: 33\r\n\r\n{\"prompt\": \"Hi\", \"max_tokens\": 1}")
+
+
 def connect(url: str, source: str = "127.0.0.1") -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
@@ -193,9 +197,15 @@ def test_a_drain_closes_idle_pooled_connections_and_every_later_response_closes_
         proc.send_signal(signal.SIGTERM)
         assert read_all(idle, 10) == b""  # the idle keep-alive connection is closed by the server
         late = connect(url)
-        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 2\r\n\r\n{}")
+        late.sendall(REFUSED)
         answer = read_all(late, 10)  # read to its end: the server closed it after the answer
         assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower()
-        rest = read_all(streaming, 60)  # the stream in flight finishes, then its connection closes
-        assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
+        rest = b""
+        while not rest.endswith(b"0\r\n\r\n"):  # the stream in flight finishes
+            chunk = streaming.recv(65536)
+            assert chunk, "the stream's connection closed before its end"
+            rest += chunk
+        assert b"data: [DONE]" in rest
+        streaming.sendall(REFUSED)  # the pooled client's next request on that connection: sent elsewhere
+        answer = read_all(streaming, 10)
+        assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower()

@@ -83,7 +83,8 @@ def test_sigterm_drains_in_flight_streams_and_only_the_operators_acknowledgement
         assert metric_value(final, "tally_completion_tokens_total") == 40
         wrong = {**acknowledgement(final), "completionTokens": 39}
         assert http.post("/internal/final-read", json=wrong).status_code == 409
-        assert http.post("/internal/final-read", content=b"[" * 10_000).status_code == 400
+        assert http.post("/internal/final-read", content=b"[" * 10_000).status_code == 413  # bounded
+        assert http.post("/internal/final-read", content=b"[1]").status_code == 400
         assert proc.poll() is None  # drained, still waiting for its counters to be booked
         assert http.post("/internal/final-read", json=acknowledgement(final)).status_code == 200
         assert proc.wait(timeout=30) == 0

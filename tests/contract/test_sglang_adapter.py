@@ -135,6 +135,16 @@ def test_abort_with_status_is_an_engine_error_in_band() -> None:
             "ignore_eos": True}).content)  # sampled at temperature 1: an early EOS would end it before the abort
         assert events[-2]["error"]["code"] == 503 and "timeout" in events[-2]["error"]["message"]
         assert events[-1] == "[DONE]"
+        streamed = [e for e in events if isinstance(e, dict) and e.get("choices")]
+        plain = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": "this will timeout", "max_tokens": 9, "ignore_eos": True})
+        assert plain.status_code == 503  # non-stream: the engine's error is the response
+        metrics = httpx.get(f"{url}/metrics").text
+        # The abort's item carries the step's token, as real SGLang's running timeout does: both requests are
+        # billed the engine's count (4 each), one more than the 3 tokens the stream relayed
+        assert len(streamed) == 3
+        assert metric_value(metrics, "tally_completion_tokens_total") == 8
+        assert metric_value(metrics, "tally_usage_mismatches_total") == 0
 
 
 def test_value_error_before_first_item_is_400() -> None:

@@ -110,9 +110,9 @@ def call(ip: str, key: str, tenant: str | None = None) -> httpx.Response:
 def test_keys_from_a_secret_name_the_tenant_and_rotate_without_a_restart(
         operator: ChartOperator, kube: Kubectl) -> None:
     old, new = f"sk-old-{uuid.uuid4().hex}", f"sk-new-{uuid.uuid4().hex}"
-    kube("create", "secret", "generic", "keys", f"--from-literal=api-keys=team-a {old}\n")
+    kube("create", "secret", "generic", "tally-api-keys", f"--from-literal=api-keys=team-a {old}\n")
     manifest = service(replicas=1)
-    manifest["spec"]["auth"] = {"apiKeysSecret": {"name": "keys"}}
+    manifest["spec"]["auth"] = {"apiKeysSecret": {"name": "tally-api-keys"}}
     kube.apply(manifest)
     pod = serving_pods(kube, 1)[0]
     ip = pod["status"]["podIP"]
@@ -123,7 +123,7 @@ def test_keys_from_a_secret_name_the_tenant_and_rotate_without_a_restart(
         metrics = http.get(f"http://{ip}:8001/metrics").text
     assert 'tally_tenant_requests_total{tenant="team-a"} 1.0' in metrics
     assert 'tenant="team-b"' not in metrics
-    patched = subprocess.run(["kubectl", "-n", str(kube.namespace), "create", "secret", "generic", "keys",
+    patched = subprocess.run(["kubectl", "-n", str(kube.namespace), "create", "secret", "generic", "tally-api-keys",
                               f"--from-literal=api-keys=team-a {new}\n", "--dry-run=client", "-o", "json"],
                              capture_output=True, text=True, env=kube.env, check=True).stdout
     kube("apply", "-f", "-", stdin=patched)

@@ -93,6 +93,9 @@ class EngineError(Exception):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
+        # The engine's last item, when the failure came with one (an SGLang abort with a status carries the
+        # step's token and its counts): billed when the run closes, never relayed
+        self.final: Delta | None = None
 
 
 class InvalidRequestError(EngineError):

@@ -90,8 +90,14 @@ class ChoiceStream:
             dropped = max(0, completion - self.ids_dropped - self.ids_emitted - len(ids))
             self.ids_dropped += dropped
         self.ids_emitted += len(ids)
+        try:
+            reason = finish_reason(finish) if finish else None
+        except EngineError as err:  # an abort with a status: its counts are still the engine's word
+            err.final = Delta(text, ids, logprobs, meta.get("prompt_tokens"), completion, meta.get("cached_tokens"),
+                              meta.get("reasoning_tokens") or None, FinishReason.ABORT, dropped)
+            raise
         return Delta(text, ids, logprobs, meta.get("prompt_tokens"), completion, meta.get("cached_tokens"),
-                     meta.get("reasoning_tokens") or None, finish_reason(finish) if finish else None, dropped)
+                     meta.get("reasoning_tokens") or None, reason, dropped)
 
     def _delta_ids(self, raw: Sequence[int], completion: int | None, waiting_abort: bool) -> tuple[int, ...]:
         ids = raw[self.ids_emitted:] if self.shape.ids_cumulative else raw

@@ -502,7 +502,8 @@ class Engine:
         held: list[_Step] = []
         try:
             while True:
-                if abort and count[0] >= abort[0]:  # aborted between steps: no new token
+                running_timeout = bool(abort and abort[1] == "status" and count[0] > 0)
+                if abort and count[0] >= abort[0] and not running_timeout:  # aborted between steps: no new token
                     yield _abort_step(abort[1], text, sent, count[0])
                     return
                 token = int(await asyncio.to_thread(next, tokens))
@@ -529,6 +530,10 @@ class Engine:
                     # abort_request(rid) of a running request (§2.5): the scheduler finishes it at its next
                     # step, whose token is in the final item and in completion_tokens
                     finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                if finish is None and running_timeout and abort and count[0] > abort[0]:
+                    # a running request's timeout (§2.5): a status abort whose item carries the step's token
+                    finish = {"type": "abort", "message": "Request running timeout reached.", "status_code": 503,
+                              "err_type": None}
                 step = _Step([token], visible, count[0], finish, [entry], [tops])
                 step.text_delta = visible[sent:]  # type: ignore[attr-defined]
                 # Stop-string hold-back: while the tail could start a stop string, the scheduler withholds output.

@@ -35,6 +35,12 @@ def spec(**changes: Any) -> dict[str, Any]:
     pytest.param(spec(scheduling={"priorityClassName": "system-node-critical"}), "ForbiddenPriorityClassName",
                  id="priority-class"),
     pytest.param(spec(scheduling={"runtimeClassName": "kata"}), "ForbiddenRuntimeClassName", id="runtime-class"),
+    pytest.param(spec(resources={"gpus": 0, "gpuResourceName": "node-role.kubernetes.io/control-plane"},
+                      scheduling={"tolerations": [{"key": "node-role.kubernetes.io/control-plane",
+                                                   "operator": "Exists"}]}),
+                 "ForbiddenGpuResourceName", id="control-plane-taint-as-the-gpu-resource"),
+    pytest.param(spec(model={"name": "m", "path": "/m", "volume": {"image": {"reference": "any/image:1"}}}),
+                 "ForbiddenVolume", id="image-volume-off-by-default"),
 ])
 def test_refused_by_default(raw: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError) as refused:
@@ -50,6 +56,10 @@ def test_refused_by_default(raw: dict[str, Any], reason: str) -> None:
     pytest.param(spec(engine={"env": [{"name": "PYTHONPATH", "value": "/models"}]}), "ForbiddenEnv",
                  id="code-loading"),
     pytest.param(spec(engine={"args": ["--mem-frac=0.99"]}), "OwnedEngineArgument", id="abbreviated-owned"),
+    pytest.param(spec(engine={"env": [{"name": "POD_NAME", "value": "someone-else"}]}), "ForbiddenEnv",
+                 id="reserved-env-picks-the-records-source"),
+    pytest.param(spec(auth={"apiKeysSecret": {"name": "db-password"}}), "ForbiddenSecret",
+                 id="a-secret-that-did-not-opt-in"),
     pytest.param(spec(engine={"args": ["--trust-remote"]}), "OwnedEngineArgument", id="abbreviated-flag"),
     pytest.param(spec(engine={"args": [" --trust-remote"]}), "OwnedEngineArgument", id="abbreviated-after-space"),
     pytest.param(spec(engine={"args": ["--chat-template=x --trust-remote"]}), "ForbiddenEngineArgument",
@@ -75,13 +85,13 @@ def test_what_a_plain_service_needs_is_allowed_and_settings_widen_it() -> None:
 
 
 def test_the_keys_secret_is_mounted_read_only_and_the_runtime_told_where() -> None:
-    raw = spec(auth={"apiKeysSecret": {"name": "team-keys", "key": "keys"}, "trustTenantHeader": True})
+    raw = spec(auth={"apiKeysSecret": {"name": "tally-api-keys-team", "key": "keys"}, "trustTenantHeader": True})
     dep = desired_deployment({"name": "s", "namespace": "n", "uid": "u"}, parse_spec(raw), DEFAULTS)
     pod = dep["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert {"name": "api-keys", "mountPath": "/etc/tally/auth", "readOnly": True} in container["volumeMounts"]
     volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
-    assert volume["secret"] == {"secretName": "team-keys", "defaultMode": 0o400,
+    assert volume["secret"] == {"secretName": "tally-api-keys-team", "defaultMode": 0o400,
                                 "items": [{"key": "keys", "path": "api-keys"}]}
     args = container["args"]
     assert args[args.index("--api-keys-file") + 1] == "/etc/tally/auth/api-keys" and "--trust-tenant-header" in args

@@ -272,6 +272,33 @@ def test_a_stalled_reader_at_the_drain_deadline_is_recorded_and_the_final_read_h
     asyncio.run(scenario())
 
 
+def test_a_client_that_leaves_while_its_refusal_closes_is_still_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancellation used to replace the refusal while the close was awaited: nothing was recorded."""
+    from tally_runtime.engine.base import InvalidRequestError
+    from tally_runtime.serving import Run
+
+    client = Client(STREAM)
+    close = Run.close
+
+    async def close_as_the_client_leaves(self: Run, refused: bool = False) -> None:
+        closing = asyncio.ensure_future(close(self, refused))
+        if refused:
+            client.left.set()  # the watch cancels the request's task while it awaits this close
+        await asyncio.shield(closing)
+
+    monkeypatch.setattr(Run, "close", close_as_the_client_leaves)
+
+    async def scenario() -> None:
+        engine = ScriptedEngine(Script({}, error={0: InvalidRequestError("refused by the engine", param="prompt")}))
+        async with running(engine) as (app, srv, _lifespan):
+            await serve(app, client)
+            await srv.settle()
+            assert client.status == 499
+            booked_once_as(srv, "invalid")
+
+    asyncio.run(scenario())
+
+
 async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
     """Poll with a deadline: the task set and the server's tables have no event of their own to wait on."""
     async with asyncio.timeout(seconds):
