@@ -272,6 +272,9 @@ def read_children(ctx: Context, meta: Mapping[str, str]) -> tuple[dict[str, Any]
     """The Deployment and the pods this CompletionService owns (through its Deployment's ReplicaSets)."""
     selector = f"{c.LABEL_SERVICE}={meta['name']}"
     deployment = ctx.kube.get("apps/v1", "Deployment", meta["name"], meta["namespace"])
+    if deployment is not None and controller_uid(deployment) != meta["uid"]:  # someone else's namesake: not ours
+        raise SpecError("NameConflict", f"A Deployment named {meta['name']} already exists and is not this "
+                                        "CompletionService's; it is left alone: delete or rename it")
     replica_sets = ctx.kube.list("apps/v1", "ReplicaSet", meta["namespace"], selector)
     pods = ctx.kube.pods(meta["namespace"], selector)
     return deployment, [dict(p) for p in owned_pods(pods, replica_sets, deployment, meta["uid"])]

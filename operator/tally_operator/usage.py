@@ -90,9 +90,11 @@ def book(ledger: Ledger, round_: Round) -> Booking:
     present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
     for gone in sorted(set(readings) - present):
         lost += 0 if readings.pop(gone).final else 1
+    # After an upgrade from a status without readings, pods are a baseline until every counted pod has one (a
+    # pod whose first scrape failed is not new usage when it is read later)
     booked = Ledger(readings=readings, totals=ledger.totals.plus(increase).capped(MAX_COUNT),
                     unaccounted=ledger.unaccounted + lost,
-                    sequence=ledger.sequence + 1, complete=True)
+                    sequence=ledger.sequence + 1, complete=ledger.complete or present <= set(readings))
     return Booking(booked, increase, lost, tuple(regressed))
 
 

@@ -71,7 +71,44 @@ def test_the_api_server_refuses_a_completion_service_that_is_more_than_a_service
     secret_env = forbidden(env=[{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}])
     assert "literal values only" in refused_on_apply(kube, secret_env)
     assert "TALLY_" in refused_on_apply(kube, forbidden(env=[{"name": "TALLY_API_KEYS_FILE", "value": "/dev/null"}]))
+    assert "POD_NAME" in refused_on_apply(kube, forbidden(env=[{"name": "POD_NAME", "value": "someone-else"}]))
+    for args in (["--chat-template=x --trust-remote --tokenizer-pa evil-org/evil"], [" --trust-remote"],
+                 ["--trust-remote-code"], ["--stream-interval", "2"], ["--log-requests"]):
+        assert "one allowed SGLang option" in refused_on_apply(kube, forbidden(args=args)), args
+    taint = "node-role.kubernetes.io/control-plane"
+    control_plane = forbidden()
+    control_plane["spec"]["resources"] = {"gpus": 0, "gpuResourceName": taint}
+    control_plane["spec"]["scheduling"] = {"tolerations": [{"key": taint, "operator": "Exists"}]}
+    assert "gpuResourceName must be one of" in refused_on_apply(kube, control_plane)
+    any_secret = forbidden()
+    any_secret["spec"]["auth"] = {"apiKeysSecret": {"name": "db-password"}}
+    assert "tally-api-keys" in refused_on_apply(kube, any_secret)
     assert "smollm" not in kube("get", "completionservices", "-o", "name")
+    allowed = forbidden(args=["--stream-interval=2", "--disable-radix-cache"])
+    kube("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(allowed))  # what a service may pass is taken
+
+
+def as_operator(kube: Kubectl, *args: str) -> subprocess.CompletedProcess[str]:
+    """kubectl as the operator's ServiceAccount (impersonated: RBAC and admission see its user)."""
+    return subprocess.run(["kubectl", "-n", str(kube.namespace), f"--as=system:serviceaccount:tally-system:{POLICY}",
+                           *args], capture_output=True, text=True, env=kube.env, timeout=60)
+
+
+def test_the_operator_changes_only_what_it_owns_and_on_pods_only_the_deletion_cost(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    """Its RBAC lets it patch pods and Deployments in every namespace; the reach policy confines it to its own
+    children, and on pods to the one annotation it sets."""
+    kube("create", "deployment", "theirs", "--image=tally-runtime:0.1.0", "--replicas=0")
+    changed = as_operator(kube, "set", "image", "deployment/theirs", "*=evil/image:1")
+    assert changed.returncode != 0 and "writes only objects it manages" in changed.stderr
+    kube.apply(service(replicas=1))
+    pod = serving_pods(kube, 1)[0]["metadata"]["name"]
+    relabel = as_operator(kube, "label", "pod", pod, "team=evil")
+    assert relabel.returncode != 0 and "may change only" in relabel.stderr
+    cost = as_operator(kube, "annotate", "--overwrite", "pod", pod, "controller.kubernetes.io/pod-deletion-cost=7")
+    assert cost.returncode == 0, cost.stderr
+    ours = as_operator(kube, "annotate", "--overwrite", "deployment", "smollm", "example.com/touched=yes")
+    assert ours.returncode == 0, ours.stderr  # its own child: allowed
 
 
 @pytest.mark.parametrize(("manifest", "reason"), [

@@ -139,3 +139,11 @@ def test_totals_stay_an_integer_the_status_can_hold() -> None:
 
     ledger = run(Round({"a": at(MAX_COUNT)}), Round({"a": at(MAX_COUNT), "b": at(MAX_COUNT)}))
     assert ledger.totals.completion_tokens == MAX_COUNT < 2**63
+
+
+def test_after_an_upgrade_a_pod_whose_first_scrape_failed_is_a_baseline_when_read() -> None:
+    """Its counters were in the old totals already: read later, it is not new usage."""
+    old = ledger_from_status({"requests": 125, "completionTokens": 500})
+    ledger = run(Round({"a": at(300)}, failed=frozenset({"b"})), Round({"a": at(310), "b": at(200)}),
+                 Round({"a": at(310), "b": at(205)}), ledger=old)
+    assert ledger.totals.completion_tokens == 500 + 10 + 5
