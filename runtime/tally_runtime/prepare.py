@@ -113,6 +113,11 @@ class Preparer:
     async def chat(self, req: ChatCompletionRequest) -> Job:
         self._check_common(req)
         self._check_generations(req.n)
+        if len(req.messages) > self.info.context_length:
+            # Every chat template writes at least one token of markup per message: refused before the
+            # template is rendered over them (a 7 MiB body of short messages took minutes to render)
+            raise ApiError(400, f"{len(req.messages)} messages cannot fit the model's context of "
+                                f"{self.info.context_length} tokens", param="messages", code="context_length_exceeded")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text, ids = await self._off_loop(sum(len(m["content"]) for m in messages), self._chat_prompt, messages)
         limit = req.token_limit()

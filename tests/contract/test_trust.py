@@ -119,7 +119,9 @@ def test_input_is_bounded_before_it_costs_anything(tmp_path: Path) -> None:
         assert slow.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 10
         many = httpx.post(f"{url}/v1/completions", json={"prompt": ["p"] * 20_000,
                                                          "max_tokens": 1})
-        assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+        assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"  # counted before validated
+        some = httpx.post(f"{url}/v1/completions", json={"prompt": ["p"] * 200, "max_tokens": 1})
+        assert some.status_code == 400 and some.json()["error"]["param"] == "n"  # more than it ever runs
         bias = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logit_bias": {"5": 10}})
         assert bias.status_code == 400 and bias.json()["error"]["param"] == "logit_bias"
         forged = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1,

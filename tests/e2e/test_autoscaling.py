@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kube_harness import Kubectl, eventually, in_cluster
+from kube_harness import Kubectl, container_id, eventually, in_cluster, node_ctr
 from operator_harness import ChartOperator
 from usage_harness import MODEL, live_pods, service, status, totals_match
 
@@ -93,3 +93,40 @@ def test_the_service_grows_under_load_and_shrinks_after_with_every_token_counted
     assert len(sent) > 10
     eventually(lambda: totals_match(kube, sent), 90, interval=1, what="status.usage equal to what clients received")
     assert (status(kube).get("usage") or {}).get("podsUnaccounted") == 0
+
+
+def test_pods_whose_metrics_cannot_be_read_are_not_scaled_away(
+        operator: ChartOperator, kube: Kubectl, frozen: list[tuple[dict[str, str], str]]) -> None:
+    """Blind rounds used to read as zero load: pods that stopped answering /metrics were scaled away within
+    the scale-down delay. Frozen for longer than the stable window and the delay together, two busy pods stay
+    two; once they answer again and the load is gone, the service shrinks as usual, every token counted."""
+    manifest = service(replicas=1)
+    manifest["spec"]["engine"]["maxConcurrentGenerations"] = 1
+    manifest["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 2, "metric": "queuedRequests", "target": 1,
+                                       "stableWindowSeconds": 20, "panicWindowSeconds": 6,
+                                       "scaleDownDelaySeconds": 20}
+    kube.apply(manifest)
+    eventually(lambda: ready_pods(kube) == 1, 180, interval=1, what="one ready pod")
+    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
+    with Load(f"http://{ip}:8000/v1/completions") as load:
+        eventually(lambda: ready_pods(kube) == 2, 240, interval=1, what="two pods ready under the load")
+        for pod in live_pods(kube):
+            node_ctr(kube.env, "tasks", "pause", container_id(pod))
+            frozen.append((kube.env, container_id(pod)))
+        blind_until = time.monotonic() + 20 + 20 + 20  # the stable window, the delay, and a margin
+        reasons = set()
+        while time.monotonic() < blind_until:  # observed over the whole period, not waited for
+            decided = scaling(kube)
+            reasons.add(decided.get("reason"))
+            assert decided.get("desiredReplicas") == 2 and len(live_pods(kube)) == 2, decided
+            time.sleep(1)
+        print(f"\n[autoscaling] reasons while blind: {sorted(map(str, reasons))}")
+        for env, container in frozen:
+            node_ctr(env, "tasks", "resume", container)
+        frozen.clear()
+        eventually(lambda: ready_pods(kube) == 2, 120, interval=1, what="both pods serving again")
+    assert not load.failures, load.failures[:3]
+    eventually(lambda: len(live_pods(kube)) == 1 and scaling(kube).get("desiredReplicas") == 1, 240, interval=1,
+               what="back to one pod once it could see the load was gone")
+    sent = load.received
+    eventually(lambda: totals_match(kube, sent), 90, interval=1, what="status.usage equal to what clients received")

@@ -58,7 +58,8 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
     assert ("ClusterKopfPeering", None) not in kinds
     cluster_role = next(o for o in objects if o["kind"] == "ClusterRole")
     assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
-    assert {o["metadata"]["name"] for o in objects if o["kind"] != "Service"} == {"tally-team-a"}
+    names = {o["metadata"]["name"] for o in objects if o["kind"] != "Service"}
+    assert names == {"tally-team-a", "tally-team-a-reach"}  # the operator's reach policy beside the others
     assert all(o["metadata"]["labels"]["app.kubernetes.io/name"] == "tally" for o in objects)
     env = next(c for c in objects if c["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "TALLY_OPERATOR_PEERING_CLUSTERWIDE", "value": "false"} in env
@@ -126,7 +127,6 @@ def test_more_gpus_than_any_node_is_unschedulable(operator: ChartOperator, kube:
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
-    pytest.param({"engine": {"kind": "cpu", "args": ["--port", "9"]}}, "OwnedEngineArgument", id="owned-arg"),
     pytest.param({"engine": {"kind": "sglang", "tensorParallelSize": 2}, "model": {"name": "m", "path": "/m"},
                   "resources": {"gpus": 3}}, "GPUsNotDivisible", id="gpus-vs-tp"),
 ])
@@ -147,6 +147,10 @@ def test_schema_rules_reject_bad_specs(operator: ChartOperator, kube: Kubectl) -
     done = subprocess.run(["kubectl", "-n", kube.namespace or "", "apply", "-f", "-"], input=json.dumps(bad),
                           text=True, capture_output=True, env=kube.env)
     assert done.returncode != 0 and "at least one GPU" in done.stderr
+    owned = example(engine={"kind": "cpu", "args": ["--port=9"]})  # an owned argument is no allowed option
+    done = subprocess.run(["kubectl", "-n", kube.namespace or "", "apply", "-f", "-"], input=json.dumps(owned),
+                          text=True, capture_output=True, env=kube.env)
+    assert done.returncode != 0 and "one allowed SGLang option" in done.stderr
 
 
 def test_deleting_the_resource_collects_children(operator: ChartOperator, kube: Kubectl) -> None:

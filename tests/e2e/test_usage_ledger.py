@@ -235,3 +235,22 @@ def test_usage_is_exact_through_a_peering_handover_a_replacement_and_an_eviction
     totals = [u["completionTokens"] for u in seen]
     assert totals == sorted(totals) and [u["sequence"] for u in seen] == sorted(u["sequence"] for u in seen)
     assert seen[-1]["podsUnaccounted"] <= 1  # the evicted pod's last reading was not final: nothing else was lost
+
+
+def test_a_deployment_deleted_as_an_orphan_and_recreated_books_its_pods_once(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    """`kubectl delete deploy --cascade=orphan` used to drop the pods' readings (their Deployment was gone, so
+    they were not counted); the re-created Deployment adopted them and each was booked whole again."""
+    kube.apply(service(replicas=1))
+    pod = serving_pods(kube, 1)[0]
+    sent = [complete(ip(pod), stream=True), complete(ip(pod), stream=False)]
+    exact(kube, sent, "before the orphaning")
+    kube("delete", "deployment", "smollm", "--cascade=orphan")
+    # The operator re-creates it (the next full pass), which adopts the orphaned ReplicaSet and its pod
+    adopted = eventually(lambda: kube.json("get", "deployment", "smollm")["status"].get("readyReplicas") == 1, 120,
+                         interval=1, what="the Deployment re-created and its pod re-adopted")
+    assert adopted
+    assert serving_pods(kube, 1)[0]["metadata"]["uid"] == pod["metadata"]["uid"]  # the same pod, adopted
+    sent.append(complete(ip(pod), stream=True))
+    exact(kube, sent, "after the re-adoption: the pod's history booked once")
+    assert (status(kube).get("usage") or {}).get("podsUnaccounted") == 0

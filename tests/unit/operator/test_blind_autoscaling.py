@@ -64,3 +64,33 @@ def test_an_unread_pods_memory_is_not_kept_when_it_went_blind_for_a_whole_window
                         Scraped(Round({f"p{i}": sample(0.0) for i in range(4)}), {}, {}), stale)
     assert scraped.scaling is not None and scraped.scaling.since == clock[0]  # watched afresh: no scale-down yet
     assert scraped.decision is not None and scraped.decision.replicas == 4
+
+
+class Deployments:
+    """The one API call `decided_replicas` makes: the Deployment as the API server has it now."""
+
+    def __init__(self, replicas: int, owner: str = "uid-1") -> None:
+        self.deployment = {"metadata": {"ownerReferences": [{"uid": owner, "controller": True}]},
+                           "spec": {"replicas": replicas}}
+
+    def get(self, *_: object) -> dict[str, Any]:
+        return self.deployment
+
+
+def test_a_peer_that_resumes_continues_from_the_deployment_not_from_its_memory() -> None:
+    """The review: a peer paused while the other scaled to 6 applied its old 2 on resuming (and panicked back
+    to 4); autoscaling switched off and on an hour later applied 6 then 1 in one pass."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tally_operator.reconcile import decided_replicas
+
+    meta = {"name": "s", "namespace": "n", "uid": "uid-1"}
+    wide = Autoscaling(min_replicas=1, max_replicas=8, metric="queuedRequests", target=4.0)
+
+    def decided(kube: Deployments) -> int:
+        return asyncio.run(decided_replicas(SimpleNamespace(kube=kube), meta, wide))  # type: ignore[arg-type]
+
+    assert decided(Deployments(6)) == 6
+    assert decided(Deployments(12)) == 8  # bounds apply at once
+    assert decided(Deployments(6, owner="someone-else")) == 1  # a namesake's count is not ours
