@@ -47,7 +47,7 @@ def workload_verdicts(spec: Spec, deployment: Mapping[str, Any] | None,
                       and all(map(_starting, not_ready)))
     if spec.replicas == 0:
         ready_v = Verdict(c.READY, "True", c.REASON_SCALED_TO_ZERO, "Scaled to zero replicas")
-    elif rolled_out:
+    elif rolled_out or (current and ready >= spec.replicas):  # at full capacity, a rollout under way or not
         ready_v = Verdict(c.READY, "True", c.REASON_AVAILABLE, f"{ready} of {spec.replicas} pods ready")
     elif scaling_up:
         ready_v = Verdict(c.READY, "True", c.REASON_SCALING_UP,

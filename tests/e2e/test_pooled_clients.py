@@ -9,7 +9,6 @@ with no new connection; a draining pod now closes idle connections and says `Con
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ import openai
 import pytest
 from kube_harness import Kubectl, eventually, in_cluster
 from operator_harness import ChartOperator
-from usage_harness import MODEL, live_pods, service, serving_pods, status, totals_match
+from usage_harness import MODEL, ClientThreads, live_pods, service, serving_pods, status, totals_match
 
 pytestmark = pytest.mark.e2e
 
@@ -25,16 +24,12 @@ CLIENTS = 2
 LOAD_SECONDS = 420  # a bound: the load stops earlier, once the rollout and the scale-down are done
 
 
-class PooledLoad:
+class PooledLoad(ClientThreads):
     """`CLIENTS` SDK clients, each with its own pooled connections, calling back to back until stopped."""
 
     def __init__(self, base_url: str) -> None:
+        super().__init__(CLIENTS)
         self.base_url = base_url
-        self.stop = threading.Event()
-        self.received: list[dict[str, int]] = []
-        self.failures: list[str] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(CLIENTS)]
 
     def client(self, i: int) -> None:
         deadline = time.monotonic() + LOAD_SECONDS
@@ -46,8 +41,13 @@ class PooledLoad:
                 try:
                     usage = self.call(sdk, f"Story {i}.{calls}:", stream=calls % 2 == 0)
                 except openai.APIError as err:
+                    causes, cause = [], err.__cause__ or err.__context__
+                    while cause is not None and len(causes) < 4:
+                        causes.append(f"{type(cause).__name__}: {cause}")
+                        cause = cause.__cause__ or cause.__context__
                     with self.lock:
-                        self.failures.append(f"{type(err).__name__}: {err}")
+                        self.failures.append(f"{time.strftime('%H:%M:%S')} {type(err).__name__}: {err} <- "
+                                             + " <- ".join(causes))
                     continue
                 with self.lock:
                     self.received.append(usage)
@@ -65,19 +65,10 @@ class PooledLoad:
         assert usage is not None
         return {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
 
-    def __enter__(self) -> PooledLoad:
-        for thread in self.threads:
-            thread.start()
-        return self
 
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=180)
-
-    def served(self) -> int:
-        with self.lock:
-            return len(self.received)
+def ready_endpoints(kube: Kubectl) -> int:
+    slices = kube.json("get", "endpointslices", "-l", "kubernetes.io/service-name=smollm")["items"]
+    return sum(1 for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready"))
 
 
 def test_pooled_sdk_clients_see_no_failure_through_a_rollout_and_a_scale_down(
@@ -86,6 +77,9 @@ def test_pooled_sdk_clients_see_no_failure_through_a_rollout_and_a_scale_down(
     manifest["spec"]["drainSeconds"] = 60
     kube.apply(manifest)
     before = {p["metadata"]["uid"] for p in serving_pods(kube, 2)}
+    # The Service's endpoints follow the kubelet's readiness, a little after the pods answer /health: until
+    # then kube-proxy rejects connections to the ClusterIP (host unreachable)
+    eventually(lambda: ready_endpoints(kube) == 2, 60, interval=0.5, what="two ready endpoints")
     ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
     with PooledLoad(f"http://{ip}:8000/v1") as load:
         eventually(lambda: load.served() >= 10, 120, interval=0.5, what="a steady load")
@@ -97,12 +91,18 @@ def test_pooled_sdk_clients_see_no_failure_through_a_rollout_and_a_scale_down(
             return len(pods) == 2 and not before & {p["metadata"]["uid"] for p in pods} and \
                 len(serving_pods(kube, 2)) == 2
 
+        print(f"\n[pooled] {time.strftime('%H:%M:%S')} rollout asked")
         eventually(rolled_out, 300, interval=1, what="both pods replaced")
+        print(f"[pooled] {time.strftime('%H:%M:%S')} rolled out")
         at_rollout = load.served()
         kube("scale", "completionservice", "smollm", "--replicas=1")
         eventually(lambda: len(live_pods(kube)) == 1, 180, interval=1, what="one pod after the scale-down")
+        print(f"[pooled] {time.strftime('%H:%M:%S')} scaled down")
         eventually(lambda: load.served() >= at_rollout + 10, 120, interval=0.5, what="the load after it")
-    assert not load.failures, load.failures[:3]
+    if load.failures:  # when they happened, against what the cluster did
+        events = kube("get", "events", "--sort-by=.lastTimestamp", "-o",
+                      "custom-columns=T:.lastTimestamp,R:.reason,O:.involvedObject.name,M:.message")
+        raise AssertionError(f"{len(load.failures)} failed: {load.failures[:3]}\n{events}")
     sent = load.received
     eventually(lambda: totals_match(kube, sent), 120, interval=1, what="status.usage equal to what clients received")
     assert (status(kube).get("usage") or {}).get("podsUnaccounted") == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -75,3 +76,32 @@ def totals_match(kube: Kubectl, sent: list[dict[str, int]]) -> dict[str, Any]:
     expected = (len(sent), sum(u["prompt"] for u in sent), sum(u["completion"] for u in sent))
     return usage if (usage.get("requests"), usage.get("promptTokens"), usage.get("completionTokens")) == expected \
         else {}
+
+
+class ClientThreads:
+    """Clients in threads of their own (`client(i)`), calling until stopped: what they received (usage) and
+    what failed. A context manager: started on entry, stopped and joined on exit."""
+
+    def __init__(self, clients: int) -> None:
+        self.stop = threading.Event()
+        self.received: list[dict[str, int]] = []
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(clients)]
+
+    def client(self, i: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=180)
+
+    def served(self) -> int:
+        with self.lock:
+            return len(self.received)

@@ -31,6 +31,8 @@ def by_type(verdicts: list[Verdict]) -> dict[str, Verdict]:
 @pytest.mark.parametrize(("dep", "pods", "ready", "progressing"), [
     pytest.param(deployment(2), [], ("True", "AllReplicasReady"), ("False", "Stable"), id="ready"),
     pytest.param(deployment(1), [], ("False", "WaitingForPods"), ("True", "RollingOut"), id="rolling"),
+    pytest.param(deployment(2, updated=1, replicas=3), [], ("True", "AllReplicasReady"), ("True", "RollingOut"),
+                 id="a-rollout-at-full-capacity-still-serves"),
     pytest.param(None, [], ("False", "WaitingForPods"), ("True", "RollingOut"), id="no-deployment-yet"),
     pytest.param(deployment(1), [pod(ready=True), pod(ready=False)], ("True", "ScalingUp"), ("True", "ScalingUp"),
                  id="a-scale-up-is-progress-not-a-failure"),
