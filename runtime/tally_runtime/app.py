@@ -54,6 +54,8 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
                              on_lost=lambda sink: metrics_.records_lost.labels(sink).inc()) \
             if settings.usage_records or settings.usage_records_file else None
         app.state.stall_guard.on_end = metrics_.streams_stalled.inc
+        if connections is not None:
+            connections.on_refused = lambda why: metrics_.connections_refused.labels(why).inc()
         if totals.requests:
             log.info("Usage counters continue from %s (%d requests so far)", settings.journal_path,
                      sum(totals.requests.values()))

@@ -31,6 +31,7 @@ RUNTIME_INFO = f"{PREFIX}_runtime_info"  # gauge{pod_uid}: 1; which pod this run
 JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter journal cannot be written
 RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not written whole (stdout, file)
 STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading
+CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its cap) or client (before auth)
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every
 # outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
 FINAL_READ_PATH = "/internal/final-read"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -52,7 +52,7 @@ class Connections:
         self.open: dict[int, set[Any]] = {}
         self.unauthenticated: Counter[str] = Counter()
         self.closing = False  # draining: every response closes its connection
-        self.refused: Counter[str] = Counter()  # why connections were refused: "port", "client"
+        self.on_refused: Callable[[str], object] | None = None  # counts each refusal by why (the app's metric)
 
     def bounds_client(self, port: int) -> bool:
         """Whether a connection on `port` counts against its client's pre-authentication bound."""
@@ -62,16 +62,19 @@ class Connections:
         """Count a new connection in; a non-empty answer is why it is refused (and it is not counted)."""
         on_port = self.open.setdefault(port, set())
         if len(on_port) >= self.caps.get(port, self.default_cap):
-            self.refused["port"] += 1
-            return "port"
+            return self._refused("port")
         bounded = self.bounds_client(port)
         if bounded and self.unauthenticated[client] >= self.unauthenticated_per_client:
-            self.refused["client"] += 1
-            return "client"
+            return self._refused("client")
         on_port.add(protocol)
         if bounded:
             self.unauthenticated[client] += 1
         return ""
+
+    def _refused(self, why: str) -> str:
+        if self.on_refused is not None:
+            self.on_refused(why)
+        return why
 
     def authenticated(self, client: str) -> None:
         if self.unauthenticated[client] > 1:
@@ -97,10 +100,6 @@ class Connections:
                 protocol.transport.close()
             elif not cycle.response_started:
                 cycle.keep_alive = False
-
-    @property
-    def count(self) -> int:
-        return sum(len(p) for p in self.open.values())
 
 
 def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: float = 30.0,

@@ -60,6 +60,9 @@ class Metrics:
         self.engine_healthy = Gauge(contract.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
         self.records_lost = Counter(contract.RECORDS_LOST, "Usage records a sink could not write whole", ["sink"],
                                     registry=r)
+        self.connections_refused = Counter(contract.CONNECTIONS_REFUSED, "Connections refused on arrival: over their "
+                                           "port's cap, or their client's before it authenticated", ["why"],
+                                           registry=r)
         self.streams_stalled = Counter(contract.STALLED_STREAMS,
                                        "Streams ended because their client took no data for --send-stall-seconds",
                                        registry=r)

@@ -57,12 +57,12 @@ class Load(ClientThreads):
                         self.failures.append(f"{response.status_code}: {response.text[:200]}")
 
 
-def autoscaled(max_replicas: int, window: int = 20) -> dict[str, Any]:
+def autoscaled(max_replicas: int, window: int = 20, panic: int = 6) -> dict[str, Any]:
     """The CPU example with one slot a pod (the queue is the load) and short windows."""
     manifest = service(replicas=1)
     manifest["spec"]["engine"]["maxConcurrentGenerations"] = 1
     manifest["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": max_replicas, "metric": "queuedRequests",
-                                       "target": 1, "stableWindowSeconds": window, "panicWindowSeconds": 4,
+                                       "target": 1, "stableWindowSeconds": window, "panicWindowSeconds": panic,
                                        "scaleDownDelaySeconds": window}
     return manifest
 
@@ -78,6 +78,7 @@ def test_the_service_grows_under_load_and_shrinks_after_with_every_token_counted
         first_new = eventually(lambda: ready_pods(kube) >= 2 and time.monotonic(), 180, interval=1,
                                what="a second pod ready")
         eventually(lambda: ready_pods(kube) == 3, 240, interval=1, what="three pods ready")
+        eventually(lambda: load.served() > 10, 120, interval=1, what="enough requests served to count")
     print(f"\n[autoscaling] first new pod ready {first_new - stepped:.0f}s after the load step")
     assert not load.failures, load.failures[:3]
     eventually(lambda: len(live_pods(kube)) == 1 and scaling(kube).get("desiredReplicas") == 1, 240, interval=1,
@@ -85,7 +86,6 @@ def test_the_service_grows_under_load_and_shrinks_after_with_every_token_counted
     events = kube("get", "events", "-o", "jsonpath={.items[*].reason}")
     assert "ScaledUp" in events and "ScaledDown" in events
     sent = load.received
-    assert len(sent) > 10
     eventually(lambda: totals_match(kube, sent), 90, interval=1, what="status.usage equal to what clients received")
     assert (status(kube).get("usage") or {}).get("podsUnaccounted") == 0
 
@@ -96,7 +96,7 @@ def test_pods_whose_metrics_cannot_be_read_are_not_scaled_away(
     the scale-down delay. Frozen for longer than the stable window and the delay together, two busy pods stay
     two; once they answer again and the load is gone, the service shrinks as usual, every token counted."""
     # Windows that a freeze can outlast before the liveness probe (3 x 10 s) restarts the frozen containers
-    kube.apply(autoscaled(max_replicas=2, window=10))
+    kube.apply(autoscaled(max_replicas=2, window=10, panic=4))
     eventually(lambda: ready_pods(kube) == 1, 180, interval=1, what="one ready pod")
     ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
     with Load(f"http://{ip}:8000/v1/completions") as load:

@@ -40,6 +40,17 @@ def node_down(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(HACK / "node.sh"), "down"], env=env, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.parametrize("netns", ["", "..", "a b", "/"])
+def test_node_sh_refuses_an_empty_or_odd_namespace_before_it_names_anything(
+        tmp_path: Path, bystander: subprocess.Popen[bytes], netns: str) -> None:
+    """An empty NETNS made the node's cgroup the root cgroup, whose every process `down` would kill."""
+    env = {**os.environ, "DIR": str(tmp_path), "RUN": str(tmp_path / "run"), "LOGS": str(tmp_path / "logs"),
+           "NETNS": netns}
+    done = subprocess.run([str(HACK / "node.sh"), "down"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "NETNS a plain name" in done.stderr
+    assert bystander.poll() is None
+
+
 def record(pid: int, *extra: str) -> str:
     start = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19]
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -96,6 +107,11 @@ def test_the_relay_admits_its_owner_only_and_reaches_only_pods_services_and_the_
     other_user = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", str(secret)],
                                 capture_output=True, timeout=30)
     assert other_user.returncode != 0 and not other_user.stdout  # another local user cannot read it
+    env_line = subprocess.run([str(HACK / "cluster.sh"), "env"], env={**os.environ, **TEST_CLUSTER},
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+    curlrc = CLUSTER_DIR / "curlrc"  # curl -K reads the relay's password from it, never a command line
+    assert f"TALLY_CURLRC={curlrc}" in env_line and curlrc.stat().st_mode & 0o777 == 0o600
+    assert secret.read_text().strip() in curlrc.read_text()
 
 
 def test_etcd_refuses_every_client_but_the_api_server(kubectl: Kubectl) -> None:
