@@ -19,6 +19,8 @@ if ! "$VENV/bin/python" -c "import sglang, gguf, accelerate, pytest; assert sgla
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "sglang==$VERSION" gguf accelerate pytest pytest-asyncio httpx openai
 fi
+# The runtime's own dependencies that SGLang does not bring: its HTTP bounds are httptools' protocol
+"$VENV/bin/python" -c "import httptools" 2>/dev/null || "$VENV/bin/python" -m pip install -q "httptools>=0.6" >&2
 "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
 if [[ ! -f $MODEL/model.safetensors ]]; then
   GGUF=$("$ROOT/.venv/bin/python" -c "from tally_runtime.engine.llamacpp import embedded_model_path as p; print(p())")

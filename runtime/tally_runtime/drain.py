@@ -25,11 +25,13 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tally_runtime.http_limits import Connections
 from tally_runtime.ledger import Totals
 from tally_runtime.serving import Server
+
+if TYPE_CHECKING:
+    from tally_runtime.http_limits import Connections
 
 log = logging.getLogger("tally_runtime.drain")
 
