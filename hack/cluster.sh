@@ -13,7 +13,7 @@
 # node's address, a bridge for pods and a Service range, all in the benchmarking range 198.18.0.0/15 and with
 # no uplink, so nothing leaves the machine. The API server is reachable from this machine only through a
 # relay on a loopback port (hack/netns_relay.py); kubectl and helm use that. Pods and Services are reachable
-# through a SOCKS5 relay on another loopback port ($TALLY_PROXY: `curl --proxy "$TALLY_PROXY" http://<ClusterIP>:8000/health`,
+# through a SOCKS5 relay on another loopback port ($TALLY_PROXY: `curl -K "$TALLY_CURLRC" http://<ClusterIP>:8000/health`,
 # httpx's `proxy=`). State and logs live in
 # $TALLY_CLUSTER_DIR (default: .tally/cluster in the repository); TALLY_REAL_NODE=0 leaves the node out.
 set -euo pipefail

@@ -69,7 +69,7 @@ up() {
   kubectl get pods -n "$NS" -o wide
   kubectl get completionservices -n "$NS"
   log "up. For kubectl and the cluster's SOCKS relay: eval \"\$(make env)\" (the relay's password stays in its file)"
-  log "then, from this machine: curl --proxy \"\$TALLY_PROXY\" http://$ip:8000/v1/models; take it all down with: make down"
+  log "then, from this machine: curl -K \"\$TALLY_CURLRC\" http://$ip:8000/v1/models; take it all down with: make down"
 }
 
 down() {
