@@ -69,9 +69,10 @@ def test_sigterm_drains_in_flight_streams_and_only_the_operators_acknowledgement
             received = [next(body)]
             assert http.post("/internal/final-read", json={}).status_code == 409  # not draining yet
             proc.send_signal(signal.SIGTERM)
-            assert until(lambda: http.get("/health").status_code == 503, 10)
-            assert http.get("/health").json()["status"] == "draining"
-            refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            # New connections from here: the drain closes the client's idle pooled one (test_connections.py)
+            assert until(lambda: httpx.get(f"{url}/health").status_code == 503, 10)
+            assert httpx.get(f"{url}/health").json()["status"] == "draining"
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
             assert refused.status_code == 503 and refused.headers["retry-after"]
             received.extend(body)
         events = sse_payloads(b"".join(received))
