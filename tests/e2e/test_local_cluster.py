@@ -93,7 +93,8 @@ def socks_connect(host: str, port: int, user: bytes = b"tally", password: bytes 
 
 def test_the_relay_admits_its_owner_only_and_reaches_only_pods_services_and_the_api(kubectl: Kubectl) -> None:
     etcd = int(TEST_CLUSTER["TALLY_ETCD_PORT"])
-    assert socks_connect("198.19.0.1", 443) == 0  # the kubernetes Service: allowed
+    # the kubernetes Service: allowed (a cluster just started may not have programmed its Service rules yet)
+    eventually(lambda: socks_connect("198.19.0.1", 443) == 0, 60, interval=1, what="the kubernetes Service")
     assert socks_connect("198.18.0.1", 6443) == 0  # the API server on the node: allowed
     assert socks_connect("127.0.0.1", etcd) == 2  # etcd on the namespace's loopback: not allowed
     assert socks_connect("198.18.0.1", 10250) == 2  # the kubelet: not allowed
