@@ -94,3 +94,17 @@ def test_a_peer_that_resumes_continues_from_the_deployment_not_from_its_memory()
     assert decided(Deployments(6)) == 6
     assert decided(Deployments(12)) == 8  # bounds apply at once
     assert decided(Deployments(6, owner="someone-else")) == 1  # a namesake's count is not ours
+
+
+def test_a_foreign_namesake_deployment_is_a_conflict_on_every_pass_not_our_readiness() -> None:
+    """Refresh passes (which do not apply) used to report a same-named Deployment of someone else's as the
+    service's own readiness for up to a minute."""
+    from types import SimpleNamespace
+
+    from tally_operator.reconcile import read_children
+    from tally_operator.spec import SpecError
+
+    kube = SimpleNamespace(get=Deployments(3, owner="someone-else").get, list=lambda *_: [], pods=lambda *_: [])
+    with pytest.raises(SpecError) as conflict:
+        read_children(SimpleNamespace(kube=kube), {"name": "s", "namespace": "n", "uid": "uid-1"})  # type: ignore[arg-type]
+    assert conflict.value.reason == "NameConflict"
