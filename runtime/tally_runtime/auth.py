@@ -120,10 +120,6 @@ class ApiKeys:
         self.maybe_reload()
         return self.keys.get(digest(key))
 
-    def tenant_of(self, key: str) -> str | None:
-        found = self.key_of(key)
-        return found.tenant if found else None
-
     def maybe_reload(self) -> None:
         now = time.monotonic()
         if now - self.checked >= RELOAD_SECONDS:

@@ -86,7 +86,7 @@ def split_engine_args(args: Sequence[str]) -> tuple[str, ...]:
     rest: list[str] = []
     for arg in args:
         name = arg.split("=", 1)[0]
-        if name in OWNED_ENGINE_ARGS or (name.startswith("--") and any(o.startswith(name) for o in OWNED_ENGINE_ARGS)):
+        if name in OWNED_ENGINE_ARGS:  # (an abbreviation is no full option name: parse_pass_through refuses it)
             raise ValueError(f"{name} is set by Tally and cannot be passed through engine args; "
                              "use the runtime's own flag or the CompletionService spec instead")
         if name not in STREAMING_FLAGS:

@@ -101,17 +101,17 @@ def test_a_rotated_secret_is_reloaded_and_a_broken_one_revokes_every_key(tmp_pat
     replacement.write_text(f"team-b {KEY_B}\n")
     os.replace(replacement, path)
     keys.checked = -1e9  # the next look is due (it looks at most once a second)
-    assert keys.tenant_of(KEY_B) == "team-b" and keys.tenant_of(KEY_A) is None and not keys.problem
+    assert keys.key_of(KEY_B) == Key("team-b") and keys.key_of(KEY_A) is None and not keys.problem
     for broken in ("nonsense\n", "", None):
         if broken is None:
             path.unlink()
         else:
             path.write_text(broken)
         keys.checked = -1e9
-        assert keys.tenant_of(KEY_B) is None and keys.problem, broken
+        assert keys.key_of(KEY_B) is None and keys.problem, broken
         path.write_text(f"team-b {KEY_B}\n")
         keys.checked = -1e9
-        assert keys.tenant_of(KEY_B) == "team-b" and not keys.problem
+        assert keys.key_of(KEY_B) == Key("team-b") and not keys.problem
 
 
 def test_a_keys_file_that_cannot_be_used_at_start_up_stops_the_runtime(tmp_path: Path) -> None:
