@@ -10,13 +10,12 @@ stale status is never the base of a write and a stale sample is never booked.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tally_operator import constants as c
 from tally_operator.conditions import Condition, Verdict, find, transitions
 from tally_operator.observations import Observations, advance, following
-from tally_operator.samples import Counters
 from tally_operator.status import build_status, without_times
 from tally_operator.usage import Booking, Round, book, ledger_from_status, ledger_status, round_status
 from tally_operator.verdict import judge
@@ -40,7 +39,6 @@ class Plan:
     transitions: list[Condition]
     observations: Observations  # to keep once the status is written
     booking: Booking | None = None
-    tenant_increase: Mapping[str, Counters] = field(default_factory=dict)
     verdict: Verdict | None = None
 
 
@@ -48,19 +46,18 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
     verdicts = list(observed.verdicts)
     fields = dict(observed.fields)
     booking, usage_verdict = None, None
-    tenant_increase: Mapping[str, Counters] = {}
     if observed.round is not None:
         ledger = ledger_from_status(previous.get("usage") or {})
         fresh = following(observations, ledger, persisted_verdict(previous))
         booking = book(ledger, observed.round)
-        observations, tenant_increase = advance(fresh, ledger, booking, observed.round)
+        observations = advance(fresh, ledger, booking, observed.round)
         usage_verdict, observations = judge(observations, observed.round, observed.max_mismatch_ratio)
         verdicts.append(usage_verdict)
         fields["usage"] = {**ledger_status(booking.ledger), **round_status(observed.round, now)}
     status = build_status(previous, verdicts, now, observed.generation, fields)
     return Plan(status=status, changed=without_times(status) != without_times(previous),
                 transitions=transitions(previous.get("conditions") or [], status["conditions"]),
-                observations=observations, booking=booking, tenant_increase=tenant_increase, verdict=usage_verdict)
+                observations=observations, booking=booking, verdict=usage_verdict)
 
 
 def persisted_verdict(status: Mapping[str, Any]) -> Verdict | None:

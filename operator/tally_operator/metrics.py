@@ -1,20 +1,24 @@
 """The operator's own /metrics: usage per CompletionService, labelled by namespace and name.
 
-Usage series are counters (`_total`): they only rise, by what each scrape round added, so `rate()` and
-`increase()` work across operator restarts the way Prometheus expects counters to."""
+The usage series (`_total`, per service and per tenant) are the durable ledger itself, as the last status
+write this process made or read left it: they are counters that never re-baseline, so a restarted operator
+or a peer taking over exports the same numbers the status holds, and `increase()` over them is exact
+wherever the scrapes fall. Tenants are the ledger's (bounded by it: usage.MAX_LEDGER_TENANTS)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
-from tally_operator.samples import Counters
-from tally_runtime.contract import OTHER_TENANT
+from tally_operator.samples import TENANT_FIELDS
+from tally_operator.usage import Ledger
 
 PREFIX = "tally_service"
-MAX_TENANTS_PER_SERVICE = 1000  # tenant series per service on this registry; later ones are booked as 'other'
 _FIELDS = {
     "requests": "Finished requests",
     "prompt_tokens": "Prompt tokens (engine-sourced)",
@@ -23,21 +27,60 @@ _FIELDS = {
     "mismatches": "Choices whose engine token count differed from the tokens streamed",
     "derived_requests": "Requests whose usage the runtime had to count itself",
 }
-_TENANT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 HEALTH_VALUES = {"True": 1.0, "False": 0.0, "Unknown": -1.0}
+
+
+class LedgerSeries(Collector):
+    """Each service's ledger as counter families, read at scrape time from the last ledger kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # kept from kopf's loop, collected from the HTTP server's thread
+        self._ledgers: dict[tuple[str, str], Ledger] = {}
+
+    def keep(self, namespace: str, name: str, ledger: Ledger) -> None:
+        """Export `ledger` unless a later one is kept already (a stale body never takes a counter back)."""
+        with self._lock:
+            kept = self._ledgers.get((namespace, name))
+            if kept is None or ledger.sequence >= kept.sequence:
+                self._ledgers[(namespace, name)] = ledger
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._ledgers.pop((namespace, name), None)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        with self._lock:
+            ledgers = sorted(self._ledgers.items())
+        labels = ["namespace", "name"]
+        for field, text in _FIELDS.items():
+            family = CounterMetricFamily(f"{PREFIX}_{field}", text, labels=labels)
+            for (namespace, name), ledger in ledgers:
+                family.add_metric([namespace, name], getattr(ledger.totals, field))
+            yield family
+            if field in TENANT_FIELDS:
+                tenants = CounterMetricFamily(f"{PREFIX}_tenant_{field}", f"{text}, per tenant",
+                                              labels=[*labels, "tenant"])
+                for (namespace, name), ledger in ledgers:
+                    for tenant, counters in sorted(ledger.tenants.items()):
+                        tenants.add_metric([namespace, name, tenant], getattr(counters, field))
+                yield tenants
+        unaccounted = CounterMetricFamily(f"{PREFIX}_pods_unaccounted", "Pods whose last counters were never read",
+                                          labels=labels)
+        folded = CounterMetricFamily(f"{PREFIX}_tenants_folded", "Tenant names booked to 'other': the ledger was full",
+                                     labels=labels)
+        for (namespace, name), ledger in ledgers:
+            unaccounted.add_metric([namespace, name], ledger.unaccounted)
+            folded.add_metric([namespace, name], ledger.tenants_folded)
+        yield unaccounted
+        yield folded
 
 
 class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["namespace", "name"]
-        self.totals = {f: Counter(f"{PREFIX}_{f}", text, labels, registry=self.registry) for f, text in _FIELDS.items()}
-        tenant_labels = [*labels, "tenant"]
-        self.tenants = {f: Counter(f"{PREFIX}_tenant_{f}", f"{text}, per tenant", tenant_labels, registry=self.registry)
-                        for f, text in _FIELDS.items() if f in _TENANT_FIELDS}
-        self.seen_tenants: dict[tuple[str, str], set[str]] = {}
-        self.unaccounted = Counter(f"{PREFIX}_pods_unaccounted", "Pods whose last counters were never read",
-                                   labels, registry=self.registry)
+        self.ledgers = LedgerSeries()
+        self.registry.register(self.ledgers)
         self.healthy = Gauge(f"{PREFIX}_usage_healthy", "UsageHealthy: 1 True, 0 False, -1 Unknown", labels,
                              registry=self.registry)
         self.pods_scraped = Gauge(f"{PREFIX}_pods_scraped", "Pods scraped in the last round", labels,
@@ -59,27 +102,13 @@ class OperatorMetrics:
     def serve(self, port: int, address: str) -> None:
         start_http_server(port, addr=address, registry=self.registry)
 
-    def record(self, namespace: str, name: str, increase: Counters, health: str, scraped: int, failed: int,
-               unaccounted: int = 0, tenants: Mapping[str, Counters] | None = None) -> int:
-        """Count one booked round. Returns how many tenants beyond the per-service bound were booked to
-        tenant `other` this time."""
-        for field, counter in self.totals.items():
-            counter.labels(namespace, name).inc(getattr(increase, field))
-        seen = self.seen_tenants.setdefault((namespace, name), set())
-        folded = 0
-        for tenant, more in sorted((tenants or {}).items()):
-            label = tenant
-            if tenant not in seen and len(seen) - (OTHER_TENANT in seen) >= MAX_TENANTS_PER_SERVICE:
-                label, folded = OTHER_TENANT, folded + (tenant != OTHER_TENANT)
-            seen.add(label)
-            for field, counter in self.tenants.items():
-                counter.labels(namespace, name, label).inc(getattr(more, field))
-        self.unaccounted.labels(namespace, name).inc(unaccounted)  # at 0 from the start: increase() sees the first
+    def record(self, namespace: str, name: str, ledger: Ledger, health: str, scraped: int, failed: int) -> None:
+        """One booked round: the ledger as written, and what the round saw."""
+        self.ledgers.keep(namespace, name, ledger)
         self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
         self.last_scrape.labels(namespace, name).set_to_current_time()
         self.pods_scraped.labels(namespace, name).set(scraped)
         self.scrape_failures.labels(namespace, name).inc(failed)
-        return folded
 
     def workload(self, namespace: str, name: str, replicas: int, ready: int) -> None:
         self.replicas.labels(namespace, name).set(replicas)
@@ -91,11 +120,8 @@ class OperatorMetrics:
             self.scaling_signal.labels(namespace, name).set(signal)
 
     def forget(self, namespace: str, name: str) -> None:
-        for tenant in self.seen_tenants.pop((namespace, name), set()):
-            for counter in self.tenants.values():
-                with contextlib.suppress(KeyError):
-                    counter.remove(namespace, name, tenant)
-        for metric in (*self.totals.values(), self.unaccounted, self.healthy, self.pods_scraped, self.scrape_failures,
+        self.ledgers.forget(namespace, name)
+        for metric in (self.healthy, self.pods_scraped, self.scrape_failures,
                        self.replicas, self.ready_replicas, self.last_scrape, self.desired_replicas,
                        self.scaling_signal):
             with contextlib.suppress(KeyError):

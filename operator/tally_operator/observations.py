@@ -1,11 +1,10 @@
 """PURE: what the operator remembers of one service between rounds, in memory only.
 
-The ledger itself is persisted (usage.py); these are the recent history the health verdict looks at
-(the window of increases, each pod's drift readings, the hysteresis) and each pod's per-tenant counters,
-the baseline of the per-tenant series on the operator's /metrics. They follow one ledger: `sequence` is
-the ledger sequence they were last advanced with. A ledger written in the meantime by someone else (a
-peer that took over while this operator paused, a predecessor) makes them stale, and they start afresh
-from that ledger: per-tenant series take a new baseline instead of adding again what the peer exported.
+The ledger itself is persisted (usage.py), tenants included; these are only the recent history the health
+verdict looks at (the window of increases, each pod's drift readings, the hysteresis). They follow one
+ledger: `sequence` is the ledger sequence they were last advanced with. A ledger written in the meantime by
+someone else (a peer that took over while this operator paused, a predecessor) makes them stale, and they
+start afresh from that ledger.
 
 `advance` returns new observations and never changes its input, so a round can be booked again on a
 fresher ledger when a status write was refused.
@@ -30,7 +29,6 @@ class Observations:
     drifts: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # pod uid -> recent drift readings
     good_streak: int = 0
     unhealthy: Verdict | None = None  # the last definite verdict, when False: True needs a clean streak
-    tenants: Mapping[str, Mapping[str, Counters]] = field(default_factory=dict)  # pod uid -> tenant counters
 
 
 def following(observations: Observations, ledger: Ledger, persisted: Verdict | None) -> Observations:
@@ -42,28 +40,14 @@ def following(observations: Observations, ledger: Ledger, persisted: Verdict | N
     return Observations(sequence=ledger.sequence, unhealthy=unhealthy)
 
 
-def advance(observations: Observations, before: Ledger, booking: Booking,
-            round_: Round) -> tuple[Observations, dict[str, Counters]]:
-    """The observations after a round, and the round's per-tenant increase."""
-    tenants = dict(observations.tenants)
-    tenant_increase: dict[str, Counters] = {}
+def advance(observations: Observations, before: Ledger, booking: Booking, round_: Round) -> Observations:
+    """The observations after a round."""
     drifts = {uid: values for uid, values in observations.drifts.items() if uid in booking.ledger.readings}
     for uid, sample in sorted(round_.samples.items()):
         reading = before.readings.get(uid)
-        new_epoch = reading is not None and reading.epoch != sample.started
-        if (reading is None and before.complete) or new_epoch:
-            base: Mapping[str, Counters] = {}  # all of it is new, as in the ledger
-        else:
-            base = tenants.get(uid, sample.tenants)  # no baseline in memory: this reading is the baseline
-        for tenant, counters in sample.tenants.items():
-            more = counters.increase_since(base.get(tenant, Counters()))
-            tenant_increase[tenant] = tenant_increase.get(tenant, Counters()).plus(more)
-        tenants[uid] = sample.tenants
-        if new_epoch:
+        if reading is not None and reading.epoch != sample.started:
             drifts.pop(uid, None)
         if sample.completion_drift is not None:
             drifts[uid] = (*drifts.get(uid, ()), sample.completion_drift)[-WINDOW_ROUNDS:]
-    tenants = {uid: values for uid, values in tenants.items() if uid in booking.ledger.readings}
     window = (*observations.window, booking.increase)[-WINDOW_ROUNDS:]
-    advanced = replace(observations, sequence=booking.ledger.sequence, window=window, drifts=drifts, tenants=tenants)
-    return advanced, tenant_increase
+    return replace(observations, sequence=booking.ledger.sequence, window=window, drifts=drifts)

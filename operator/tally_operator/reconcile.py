@@ -63,7 +63,15 @@ from tally_operator.status import (
     unschedulable_message,
     workload_verdicts,
 )
-from tally_operator.usage import Round, controller_uid, counted_uids, ledger_from_status, owned_pods, scrape_targets
+from tally_operator.usage import (
+    MAX_LEDGER_TENANTS,
+    Round,
+    controller_uid,
+    counted_uids,
+    ledger_from_status,
+    owned_pods,
+    scrape_targets,
+)
 from tally_runtime.contract import FINAL_READ_PATH
 
 log = logging.getLogger("tally_operator")
@@ -135,6 +143,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
     generation = int(body.meta.get("generation") or 0)
     fields: dict[str, Any] = {"endpoint": endpoint(meta, ctx.settings)}
+    if obj["status"].get("usage"):  # a restarted operator or a new leader exports the ledger from its first pass
+        ctx.metrics.ledgers.keep(meta["namespace"], meta["name"], ledger_from_status(obj["status"]["usage"]))
     try:
         spec = parse_spec(body.spec)
         check_policy(spec, ctx.settings)
@@ -360,14 +370,13 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
         post(body, "Warning", "UsageUnaccounted",
              f"{booking.lost} pod(s) went away or restarted their counters before their last counters were read: "
              "what they served since the scrape before is not in the totals")
-    capped = ctx.metrics.record(meta["namespace"], meta["name"], booking.increase,
-                                planned.verdict.status if planned.verdict else "Unknown",
-                                len(scraped.round.samples), len(scraped.round.failed), booking.lost,
-                                planned.tenant_increase)
-    folded = capped + sum(s.tenants_capped for s in scraped.round.samples.values())
-    if folded:
-        post(body, "Warning", "TenantsCapped", f"{folded} tenant series beyond the operator's bound were added into "
-                                               "tenant 'other' (the totals are unaffected)")
+    ctx.metrics.record(meta["namespace"], meta["name"], booking.ledger,
+                       planned.verdict.status if planned.verdict else "Unknown", len(scraped.round.samples),
+                       len(scraped.round.failed))
+    if booking.folded:
+        post(body, "Warning", "TenantsFolded", f"{booking.folded} tenant(s) beyond the ledger's "
+                                               f"{MAX_LEDGER_TENANTS} were booked to tenant 'other' (the totals "
+                                               "are unaffected)")
     await acknowledge_final(ctx, scraped)
 
 

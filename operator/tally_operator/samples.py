@@ -3,8 +3,9 @@
 A pod's /metrics is input from outside the operator: whatever runs in the pod could send anything. A
 sample is refused whole (`MetricsParseError`, the round counts the pod as failed) unless it names the pod
 it was meant to come from, carries its counters' epoch, and every number read is finite and not negative.
-Tenant series are bounded per pod: beyond `MAX_TENANTS_PER_POD` label values the rest are added into the
-`other` tenant, so the sum over tenants still equals the totals.
+Tenant series are bounded: a pod reporting more than `MAX_TENANTS_PER_POD` tenants, or whose tenant series
+do not sum to its totals (requests served, prompt, completion and cached tokens), is refused: the ledger
+books tenants from the same readings as the totals and keeps their sums equal (usage.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tally_runtime import contract
 
-MAX_TENANTS_PER_POD = 1000
+MAX_TENANTS_PER_POD = 1000  # tenant label values a pod may report (the runtime keeps --max-tenants, 100)
+TENANT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")  # counted per tenant too
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,13 @@ class Counters:
     def plus(self, other: Counters) -> Counters:
         return Counters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
+    def any(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self))
+
+    def tenant_part(self) -> Counters:
+        """Only the fields counted per tenant (requests and the three token counts)."""
+        return Counters(**{name: getattr(self, name) for name in TENANT_FIELDS})
+
     def capped(self, limit: float) -> Counters:
         """Each counter at most `limit` (a total the status can always hold as an exact integer)."""
         return Counters(**{f.name: min(limit, getattr(self, f.name)) for f in fields(self)})
@@ -56,7 +65,6 @@ class PodSample:
     tenants: Mapping[str, Counters] = field(default_factory=dict)  # requests and tokens per tenant
     all_requests: float = 0.0  # requests of every outcome, refused ones included (the final-read handshake)
     pod_uid: str = ""  # the pod the runtime says it is (downward API)
-    tenants_capped: int = 0  # tenant label values beyond MAX_TENANTS_PER_POD, added into `other`
     load: Mapping[str, float] = field(default_factory=dict)  # autoscaling signals: gauge name -> value
 
     def acknowledgement(self) -> dict[str, float]:
@@ -153,13 +161,20 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
     final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
         and not gauges.get(contract.QUEUED_REQUESTS)
-    bounded, capped = bounded_tenants({t: Counters(**counts) for t, counts in tenants.items()}, MAX_TENANTS_PER_POD)
+    if len(tenants) > MAX_TENANTS_PER_POD + 1:
+        raise MetricsParseError(f"{len(tenants)} tenants: more than the {MAX_TENANTS_PER_POD} a pod may report")
+    per_tenant = {t: Counters(**counts) for t, counts in tenants.items()}
+    counters = Counters(**values)
+    summed = Counters()
+    for tenant_counters in per_tenant.values():
+        summed = summed.plus(tenant_counters)
+    if summed != counters.tenant_part():
+        raise MetricsParseError("the tenant series do not sum to the totals")
     load = {name: gauges[name] for name in _LOAD_GAUGES if name in gauges}
     for name, value in load.items():  # summed over label sets: each was finite, the sum may not be
         if not value <= MAX_LOAD:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
-    return PodSample(Counters(**values), mode, drift, started, final, bounded, all_requests, pod_uid or "", capped,
-                     load)
+    return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load)
 
 
 def _check(name: str, value: float, count: bool) -> None:
@@ -167,19 +182,6 @@ def _check(name: str, value: float, count: bool) -> None:
         raise MetricsParseError(f"{name} is {value}: counters must be finite and not negative")
     if count and (value > MAX_COUNT or value != int(value)):
         raise MetricsParseError(f"{name} is {value:g}: a count is a whole number no larger than 2^53")
-
-
-def bounded_tenants(tenants: Mapping[str, Counters], limit: int) -> tuple[dict[str, Counters], int]:
-    """At most `limit` tenants (the first by name; `other` always kept); the rest added into `other`.
-    Returns them and how many were folded in."""
-    names = sorted(t for t in tenants if t != contract.OTHER_TENANT)
-    kept = {t: tenants[t] for t in names[:limit]}
-    other = tenants.get(contract.OTHER_TENANT, Counters())
-    for name in names[limit:]:
-        other = other.plus(tenants[name])
-    if contract.OTHER_TENANT in tenants or len(names) > limit:
-        kept[contract.OTHER_TENANT] = other
-    return kept, max(0, len(names) - limit)
 
 
 def stream_mode(samples: Iterable[PodSample]) -> str:

@@ -1,10 +1,11 @@
 """PURE: the usage ledger of one CompletionService, and what one scrape round books into it.
 
-The ledger lives in `status.usage`: the totals, and each counted pod's last reading (pod uid, the counters'
-epoch, the counters) that the totals stand on. Every pass starts from the ledger as persisted (never from
-a memory that may be older), books the round's increases and writes the new ledger back by
-compare-and-swap (reconcile.py), so two writers can never regress it; a refused write re-reads the ledger
-and scrapes again, so every sample booked is newer than the readings of the ledger it is booked into.
+The ledger lives in `status.usage`: the totals, the same per tenant, and each counted pod's last reading
+(pod uid, the counters' epoch, the counters and its per-tenant counters) that they stand on. Every pass
+starts from the ledger as persisted (never from a memory that may be older), books the round's increases and
+writes the new ledger back by compare-and-swap (reconcile.py), so two writers can never regress it; a
+refused write re-reads the ledger and scrapes again, so every sample booked is newer than the readings of
+the ledger it is booked into.
 `book` is pure: the same ledger and round give the same result.
 
 The rules, per pod and per counter:
@@ -17,6 +18,14 @@ The rules, per pod and per counter:
   reading is lost unless that reading was final (the pod had drained);
 - a pod that is no longer listed, or that reached a terminal phase, leaves the ledger; if its last reading
   was not final, what it served after it is lost: `podsUnaccounted`.
+
+Tenants follow the same rules, pod by pod, from the same readings, and their sums equal the totals field by
+field (requests, prompt, completion and cached tokens): a pod's tenant series sum to its totals (samples.py
+refuses a pod whose do not); a reading that went down under one epoch, in any counter or any tenant, books
+nothing at all; and what a pod's tenants do not explain (only after an upgrade from a status without tenant
+readings) is booked to tenant `other`. The ledger keeps at most `MAX_LEDGER_TENANTS` tenants: a tenant once
+in it stays, a new one beyond the bound is booked to `other`, sticky, and `tenantsFolded` counts the names so
+folded (once per pod and epoch).
 """
 
 from __future__ import annotations
@@ -25,10 +34,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tally_operator.samples import MAX_COUNT, Counters, PodSample, stream_mode
+from tally_operator.samples import MAX_COUNT, MAX_TENANTS_PER_POD, TENANT_FIELDS, Counters, PodSample, stream_mode
 from tally_operator.status import is_ready
+from tally_runtime.contract import OTHER_TENANT
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+MAX_LEDGER_TENANTS = 1000  # named tenants per service in the ledger; later ones are booked to `other`
+Tenants = Mapping[str, Counters]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +50,9 @@ class Reading:
     counters: Counters
     epoch: float | None
     final: bool = False
+    # The pod's own tenant counters under that epoch (None: kept by a status from before tenant readings:
+    # the pod's next sample is its tenants' baseline)
+    tenants: Tenants | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +67,8 @@ class Ledger:
     # Every pod counted so far has a reading. False only after an upgrade from a status without readings:
     # then pods seen first are a baseline, not new usage.
     complete: bool = True
+    tenants: Tenants = field(default_factory=dict)  # tenant -> its totals (the four tenant fields)
+    tenants_folded: int = 0  # tenant names booked to `other` because the ledger was full
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,26 +84,43 @@ class Booking:
     increase: Counters  # what the round added to the totals
     lost: int = 0  # pods newly counted unaccounted
     regressed: tuple[str, ...] = ()  # pods whose counters went down under one epoch
+    tenant_increase: Tenants = field(default_factory=dict)  # what the round added, per ledger tenant
+    folded: int = 0  # tenant names newly booked to `other` because the ledger was full
 
 
 def book(ledger: Ledger, round_: Round) -> Booking:
     """Add the round's increases to the ledger (see the module's rules)."""
     readings = dict(ledger.readings)
-    increase, lost, regressed = Counters(), 0, []
+    tenants = dict(ledger.tenants)
+    increase, lost, regressed, folded = Counters(), 0, [], 0
+    tenant_increase: dict[str, Counters] = {}
     for uid, sample in sorted(round_.samples.items()):
         before = readings.get(uid)
-        if before is None:
-            base = Counters() if ledger.complete else sample.counters
-        elif sample.started != before.epoch:
-            base = Counters()
+        base, tenant_base = _base(ledger, before, sample)
+        if before is not None and sample.started != before.epoch:
             lost += 0 if before.final else 1
-        else:
-            base = before.counters
-            if sample.counters.below(base):
-                regressed.append(uid)
-                lost += 1
-        increase = increase.plus(sample.counters.increase_since(base))
-        readings[uid] = Reading(sample.counters, sample.started, sample.final)
+        more = sample.counters.increase_since(base)
+        more_tenants = {name: c.increase_since(tenant_base.get(name, Counters())) for name, c in sample.tenants.items()}
+        if _went_down(sample, base, tenant_base, more, more_tenants):
+            regressed.append(uid)  # books nothing at all: the new reading is the base from now on
+            lost += 1
+            more, more_tenants = Counters(), {}
+        increase = increase.plus(more)
+        explained = Counters()
+        for name, counters in sorted(more_tenants.items()):
+            explained = explained.plus(counters)
+            if not counters.any():
+                continue
+            bucket = _bucket(name, tenants)
+            if bucket != name and name not in tenant_base:
+                folded += 1
+            tenants[bucket] = tenants.get(bucket, Counters()).plus(counters)
+            tenant_increase[bucket] = tenant_increase.get(bucket, Counters()).plus(counters)
+        rest = more.tenant_part().increase_since(explained)  # only after an upgrade (see the module's rules)
+        if rest.any():
+            tenants[OTHER_TENANT] = tenants.get(OTHER_TENANT, Counters()).plus(rest)
+            tenant_increase[OTHER_TENANT] = tenant_increase.get(OTHER_TENANT, Counters()).plus(rest)
+        readings[uid] = Reading(sample.counters, sample.started, sample.final, dict(sample.tenants))
     present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
     for gone in sorted(set(readings) - present):
         lost += 0 if readings.pop(gone).final else 1
@@ -94,8 +128,50 @@ def book(ledger: Ledger, round_: Round) -> Booking:
     # pod whose first scrape failed is not new usage when it is read later)
     booked = Ledger(readings=readings, totals=ledger.totals.plus(increase).capped(MAX_COUNT),
                     unaccounted=ledger.unaccounted + lost,
-                    sequence=ledger.sequence + 1, complete=ledger.complete or present <= set(readings))
-    return Booking(booked, increase, lost, tuple(regressed))
+                    sequence=ledger.sequence + 1, complete=ledger.complete or present <= set(readings),
+                    tenants={name: c.capped(MAX_COUNT) for name, c in tenants.items()},
+                    tenants_folded=ledger.tenants_folded + folded)
+    return Booking(booked, increase, lost, tuple(regressed), tenant_increase, folded)
+
+
+def _base(ledger: Ledger, before: Reading | None, sample: PodSample) -> tuple[Counters, Tenants]:
+    """What the sample's increase is counted from: nothing for a new pod or epoch, else the last reading."""
+    if before is None:
+        return (Counters(), {}) if ledger.complete else (sample.counters, sample.tenants)
+    if sample.started != before.epoch:
+        return Counters(), {}
+    return before.counters, before.tenants if before.tenants is not None else sample.tenants
+
+
+def _went_down(sample: PodSample, base: Counters, tenant_base: Tenants, more: Counters,
+               more_tenants: Tenants) -> bool:
+    """Whether any counter, of the pod or of one of its tenants, is below its base; or the tenants' increases
+    exceed the pod's (a reading the ledger holds that does not add up)."""
+    if sample.counters.below(base):
+        return True
+    if any(counters.below(tenant_base.get(name, Counters())) for name, counters in sample.tenants.items()):
+        return True
+    if any(name not in sample.tenants for name in tenant_base):
+        return True
+    explained = Counters()
+    for counters in more_tenants.values():
+        explained = explained.plus(counters)
+    return more.tenant_part().below(explained.tenant_part())
+
+
+def _bucket(name: str, tenants: Mapping[str, Counters]) -> str:
+    """The ledger tenant `name` is booked to: its own while it is in the ledger or there is room."""
+    if name == OTHER_TENANT or name in tenants:
+        return name
+    return name if len(tenants) - (OTHER_TENANT in tenants) < MAX_LEDGER_TENANTS else OTHER_TENANT
+
+
+def check_sums(ledger: Ledger) -> None:
+    """The invariant: the tenants' sums equal the totals, field by field (raises AssertionError)."""
+    summed = Counters()
+    for counters in ledger.tenants.values():
+        summed = summed.plus(counters)
+    assert summed.tenant_part() == ledger.totals.tenant_part(), (summed, ledger.totals)
 
 
 def is_terminal(pod: Mapping[str, Any]) -> bool:
@@ -147,26 +223,61 @@ def pod_url(ip: str, port: int, path: str) -> str:
 
 _STATUS_KEYS = {"requests": "requests", "prompt_tokens": "promptTokens", "completion_tokens": "completionTokens",
                 "cached_tokens": "cachedTokens", "mismatches": "mismatches", "derived_requests": "derivedRequests"}
+_TENANT_KEYS = {name: key for name, key in _STATUS_KEYS.items() if name in TENANT_FIELDS}
 
 
 def _counters_status(counters: Counters) -> dict[str, int]:
     return {key: int(getattr(counters, name)) for name, key in _STATUS_KEYS.items()}
 
 
-def _counters_from(raw: Mapping[str, object]) -> Counters:
-    def num(key: str) -> float:
-        value = raw.get(key, 0)
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 else 0.0
+def _count(value: object) -> float:
+    """A count from the status, or 0 for anything else (the status is input too: anyone who may write it)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return float(int(value))
+    return 0.0
 
-    return Counters(**{name: num(key) for name, key in _STATUS_KEYS.items()})
+
+def _counters_from(raw: Mapping[str, object]) -> Counters:
+    return Counters(**{name: _count(raw.get(key, 0)) for name, key in _STATUS_KEYS.items()})
+
+
+def _pod_tenants_status(tenants: Tenants) -> dict[str, list[int]]:
+    """A pod's tenant counters, compact: [requests, prompt, completion, cached] (see DESIGN.md for its size)."""
+    return {name: [int(getattr(c, f)) for f in TENANT_FIELDS] for name, c in sorted(tenants.items())}
+
+
+def _pod_tenants_from(raw: object) -> Tenants | None:
+    if not isinstance(raw, Mapping):
+        return None
+    tenants = {}
+    for name, values in sorted(raw.items())[:MAX_TENANTS_PER_POD + 1]:
+        if isinstance(name, str) and isinstance(values, list) and len(values) == len(TENANT_FIELDS):
+            tenants[name] = Counters(**{f: _count(v) for f, v in zip(TENANT_FIELDS, values, strict=True)})
+    return tenants
+
+
+def tenants_status(tenants: Tenants) -> dict[str, dict[str, int]]:
+    return {name: {key: int(getattr(c, f)) for f, key in _TENANT_KEYS.items()} for name, c in sorted(tenants.items())}
+
+
+def tenants_from(raw: object) -> dict[str, Counters]:
+    """`status.usage.tenants` as data (bounded: at most the ledger's tenants and `other`)."""
+    if not isinstance(raw, Mapping):
+        return {}
+    return {name: Counters(**{f: _count(values.get(key, 0)) for f, key in _TENANT_KEYS.items()})
+            for name, values in sorted(raw.items())[:MAX_LEDGER_TENANTS + 1]
+            if isinstance(name, str) and isinstance(values, Mapping)}
 
 
 def ledger_status(ledger: Ledger) -> dict[str, object]:
-    """The ledger's part of `status.usage`: the totals and, in the same write, every reading they stand on."""
+    """The ledger's part of `status.usage`: the totals, the tenants and, in the same write, every reading they
+    stand on."""
     pods = [{"uid": uid, "final": r.final, **({"epoch": r.epoch} if r.epoch is not None else {}),
-             **_counters_status(r.counters)} for uid, r in sorted(ledger.readings.items())]
+             **_counters_status(r.counters),
+             **({"tenants": _pod_tenants_status(r.tenants)} if r.tenants is not None else {})}
+            for uid, r in sorted(ledger.readings.items())]
     return {**_counters_status(ledger.totals), "podsUnaccounted": ledger.unaccounted, "sequence": ledger.sequence,
-            "pods": pods}
+            "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods}
 
 
 def round_status(round_: Round, scraped_at: str) -> dict[str, object]:
@@ -176,16 +287,25 @@ def round_status(round_: Round, scraped_at: str) -> dict[str, object]:
 
 
 def ledger_from_status(usage: Mapping[str, object]) -> Ledger:
-    """The ledger as the last status write left it (written by this operator, a predecessor or a peer)."""
+    """The ledger as the last status write left it (written by this operator, a predecessor or a peer). A
+    status from before the tenant ledger has its totals so far in tenant `other`, so the sums hold."""
     readings: dict[str, Reading] = {}
     raw_pods = usage.get("pods")
     for pod in raw_pods if isinstance(raw_pods, list) else []:
         if isinstance(pod, Mapping) and isinstance(pod.get("uid"), str):
             epoch = pod.get("epoch")
             readings[str(pod["uid"])] = Reading(_counters_from(pod), float(epoch) if isinstance(
-                epoch, int | float) and not isinstance(epoch, bool) else None, bool(pod.get("final")))
-    unaccounted, sequence = usage.get("podsUnaccounted", 0), usage.get("sequence", 0)
-    return Ledger(readings=readings, totals=_counters_from(usage),
+                epoch, int | float) and not isinstance(epoch, bool) else None, bool(pod.get("final")),
+                _pod_tenants_from(pod.get("tenants")))
+    unaccounted, sequence, folded = usage.get("podsUnaccounted", 0), usage.get("sequence", 0), \
+        usage.get("tenantsFolded", 0)
+    totals = _counters_from(usage)
+    if "tenants" in usage:
+        tenants = tenants_from(usage.get("tenants"))
+    else:
+        tenants = {OTHER_TENANT: totals.tenant_part()} if totals.tenant_part().any() else {}
+    return Ledger(readings=readings, totals=totals,
                   unaccounted=unaccounted if isinstance(unaccounted, int) else 0,
                   sequence=sequence if isinstance(sequence, int) else 0,
-                  complete=not usage or isinstance(raw_pods, list))
+                  complete=not usage or isinstance(raw_pods, list), tenants=tenants,
+                  tenants_folded=folded if isinstance(folded, int) else 0)

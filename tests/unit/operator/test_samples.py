@@ -21,9 +21,16 @@ tally_usage_mismatches_total 0
 # TYPE tally_stream_mode gauge
 tally_stream_mode{mode="incremental"} 1
 tally_stream_mode{mode="cumulative"} 0
+# TYPE tally_tenant_requests counter
+tally_tenant_requests_total{tenant="team-a"} 4
+# TYPE tally_tenant_prompt_tokens counter
+tally_tenant_prompt_tokens_total{tenant="team-a"} 40
+# TYPE tally_tenant_completion_tokens counter
+tally_tenant_completion_tokens_total{tenant="team-a"} 64
 """
 REQUESTS = ("# TYPE tally_requests counter\n"
-            "tally_requests_total{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"} 3\n")
+            "tally_requests_total{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"} 3\n"
+            "# TYPE tally_tenant_requests counter\ntally_tenant_requests_total{tenant=\"team-a\"} 3\n")
 
 
 def test_parse_sample_counts_served_requests_and_keeps_all_for_the_handshake() -> None:
@@ -67,22 +74,41 @@ def test_a_draining_idle_runtime_reports_final_counters() -> None:
 
 
 def test_tenant_counters_are_parsed_per_label() -> None:
-    text = (EPOCH + REQUESTS + "# TYPE tally_tenant_completion_tokens counter\n"
+    text = (EPOCH + "# TYPE tally_requests counter\n"
+            "tally_requests_total{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"} 4\n"
+            "# TYPE tally_completion_tokens counter\ntally_completion_tokens_total 42\n"
+            "# TYPE tally_tenant_completion_tokens counter\n"
             "tally_tenant_completion_tokens_total{tenant=\"team-a\"} 40\n"
             "tally_tenant_completion_tokens_total{tenant=\"other\"} 2\n"
-            "# TYPE tally_tenant_requests counter\ntally_tenant_requests_total{tenant=\"team-a\"} 3\n")
+            "# TYPE tally_tenant_requests counter\ntally_tenant_requests_total{tenant=\"team-a\"} 3\n"
+            "tally_tenant_requests_total{tenant=\"other\"} 1\n")
     tenants = parse_sample(text).tenants
     assert tenants["team-a"] == Counters(requests=3, completion_tokens=40)
-    assert tenants["other"].completion_tokens == 2
+    assert tenants["other"] == Counters(requests=1, completion_tokens=2)
 
 
-def test_tenants_beyond_the_bound_are_added_into_other_and_the_sum_is_kept() -> None:
-    count = MAX_TENANTS_PER_POD + 25
-    lines = "".join(f"tally_tenant_completion_tokens_total{{tenant=\"t{i:05d}\"}} 2\n" for i in range(count))
-    sample = parse_sample(EPOCH + REQUESTS + "# TYPE tally_tenant_completion_tokens counter\n" + lines)
-    assert len(sample.tenants) == MAX_TENANTS_PER_POD + 1 and sample.tenants_capped == 25
-    assert sample.tenants["other"].completion_tokens == 50
-    assert sum(t.completion_tokens for t in sample.tenants.values()) == 2 * count
+def test_tenants_that_do_not_sum_to_the_totals_are_refused() -> None:
+    """The ledger books tenants from the same readings as the totals: a pod whose tenants disagree is refused."""
+    with pytest.raises(MetricsParseError, match="do not sum"):
+        parse_sample(METRICS.replace('tally_tenant_completion_tokens_total{tenant="team-a"} 64',
+                                     'tally_tenant_completion_tokens_total{tenant="team-a"} 63'))
+    with pytest.raises(MetricsParseError, match="do not sum"):
+        parse_sample(METRICS + '# TYPE tally_tenant_cached_tokens counter\n'
+                               'tally_tenant_cached_tokens_total{tenant="team-b"} 1\n')
+
+
+def test_more_tenants_than_a_pod_may_report_are_refused() -> None:
+    """No fold by name here: which names a fold keeps would shift as tenants come and go (the ledger's own
+    bound is sticky, usage.py); a runtime keeps --max-tenants (100), so a pod with over 1000 is not ours."""
+    count = MAX_TENANTS_PER_POD + 2
+    lines = "".join(f"tally_tenant_requests_total{{tenant=\"t{i:05d}\"}} 1\n" for i in range(count))
+    text = (EPOCH + "# TYPE tally_requests counter\n"
+            f"tally_requests_total{{endpoint=\"chat\",outcome=\"ok\",finish_reason=\"stop\"}} {count}\n"
+            "# TYPE tally_tenant_requests counter\n" + lines)
+    with pytest.raises(MetricsParseError, match="tenants: more than"):
+        parse_sample(text)
+    assert len(parse_sample(text.replace('tally_tenant_requests_total{tenant="t00000"} 1\n', "").replace(
+        f"}} {count}\n", f"}} {count - 1}\n", 1)).tenants) == MAX_TENANTS_PER_POD + 1
 
 
 @pytest.mark.parametrize(("line", "why"), [

@@ -21,7 +21,8 @@ class Service:
     def round(self, round_: Round) -> Verdict:
         observations = following(self.observations, self.ledger, None)
         booking = book(self.ledger, round_)
-        observations, self.tenant_increase = advance(observations, self.ledger, booking, round_)
+        observations = advance(observations, self.ledger, booking, round_)
+        self.tenant_increase = dict(booking.tenant_increase)
         verdict, self.observations = judge(observations, round_, 0.0)
         self.ledger = booking.ledger
         return verdict
@@ -37,7 +38,7 @@ def drifted(completion: float, drift: float, epoch: float = 1.0) -> PodSample:
 
 
 def with_tenants(completion: float, **tenants: float) -> PodSample:
-    return PodSample(Counters(completion_tokens=completion), "incremental", None, 1.0, False,
+    return PodSample(Counters(requests=len(tenants), completion_tokens=completion), "incremental", None, 1.0, False,
                      {t: Counters(requests=1, completion_tokens=v) for t, v in tenants.items()})
 
 
@@ -88,8 +89,8 @@ def test_per_tenant_increases_follow_each_pod() -> None:
 
 
 def test_observations_of_a_ledger_someone_else_moved_on_start_afresh() -> None:
-    """A peer wrote while this operator paused: its tenant baselines and windows are stale, so the per-tenant
-    series re-baseline instead of adding the peer's period again, and its window restarts."""
+    """A peer wrote while this operator paused: the tenants are booked from the ledger the peer wrote (never
+    the peer's period again), and the window restarts."""
     mine = Service()
     mine.round(Round({"a": with_tenants(10, alpha=10)}))
     peer = Service()
@@ -98,7 +99,8 @@ def test_observations_of_a_ledger_someone_else_moved_on_start_afresh() -> None:
     mine.ledger = peer.ledger  # this operator resumes: it reads the ledger the peer wrote
     mine.round(Round({"a": with_tenants(260, alpha=260)}))
     assert mine.ledger.totals.completion_tokens == 260
-    assert mine.tenant_increase["alpha"].completion_tokens == 0  # a baseline, not 250 again
+    assert mine.tenant_increase["alpha"].completion_tokens == 10  # since the peer's reading, not 250 again
+    assert mine.ledger.tenants["alpha"].completion_tokens == 260
     stale = Observations(sequence=1, good_streak=5)
     persisted = Verdict("UsageHealthy", "False", "UsageMismatch", "m")
     assert following(stale, Ledger(sequence=7), persisted) == Observations(sequence=7, unhealthy=persisted)
