@@ -124,6 +124,8 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
         # (a pod IP is reused once a pod is gone). The root filesystem is read-only: caches go to /tmp.
         "env": [{"name": "TALLY_LOG_LEVEL", "value": "info"},
                 {"name": "TALLY_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                *([{"name": "TALLY_FINAL_READ_KEY", "value": settings.final_read_key}] if settings.final_read_key
+                  else []),
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
                 *[dict(e) for e in spec.env]],
@@ -229,12 +231,20 @@ def desired_pdb(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
 
 
 def desired_network_policy(meta: Mapping[str, Any], settings: OperatorSettings) -> Obj | None:
-    """With the operator's `network_policy` setting: the metrics port open only to the operator's own pods,
-    the API port only to pods of the service's namespace (widen it with a NetworkPolicy of your own)."""
+    """With the operator's `network_policy` setting: the metrics port (usage of every tenant, the final-read
+    hand-off) open only to the operator's own pods and the monitoring namespace; the API port to every
+    client, or to the pods of the service's namespace only with `network_policy_api_same_namespace`."""
     if not settings.network_policy:
         return None
     operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.namespace}},
                 "podSelector": {"matchLabels": {c.LABEL_INSTANCE: settings.instance}}}
+    metrics_from: list[Obj] = [operator]
+    if settings.monitoring_namespace:
+        metrics_from.append({"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": settings.monitoring_namespace}}})
+    api: Obj = {"ports": [{"port": c.RUNTIME_PORT, "protocol": "TCP"}]}
+    if settings.network_policy_api_same_namespace:
+        api = {"from": [{"podSelector": {}}], **api}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -243,8 +253,8 @@ def desired_network_policy(meta: Mapping[str, Any], settings: OperatorSettings) 
             "podSelector": {"matchLabels": selector_labels(meta["name"])},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [operator], "ports": [{"port": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}]},
-                {"from": [{"podSelector": {}}], "ports": [{"port": c.RUNTIME_PORT, "protocol": "TCP"}]},
+                {"from": metrics_from, "ports": [{"port": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}]},
+                api,
             ],
         },
     }

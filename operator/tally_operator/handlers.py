@@ -9,6 +9,7 @@ else a pass needs is the `Context` built at start-up and kept in kopf's operator
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -16,8 +17,9 @@ import kopf
 from tally_operator import constants as c
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, ServiceMemory, reconcile
+from tally_operator.reconcile import Context, ServiceMemory, reconcile, release_pods
 from tally_operator.settings import OperatorSettings
+from tally_operator.signing import Signer
 
 SETTINGS = OperatorSettings.from_env()
 RETRY_SECONDS = 10
@@ -37,14 +39,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.execution.max_workers = SETTINGS.workers
     settings.peering.name = SETTINGS.peering_name
     settings.peering.clusterwide = SETTINGS.peering_clusterwide
-    memo.context = Context(SETTINGS, Kube(), OperatorMetrics())
+    signer = Signer.load(SETTINGS.signing_key_file)
+    memo.context = Context(replace(SETTINGS, final_read_key=signer.public_key), Kube(), OperatorMetrics(), signer)
     if SETTINGS.metrics_port:
         memo.context.metrics.serve(SETTINGS.metrics_port, SETTINGS.metrics_address)
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, optional=True)
-def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+async def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     memo.context.metrics.forget(namespace or "", name)
+    try:
+        await release_pods(memo.context, namespace or "", name)
+    except KubeError as error:  # the pods then wait out their final read: nothing is lost but time
+        logging.getLogger("tally_operator").info("Could not release the pods of %s/%s: %s", namespace, name, error)
 
 
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)

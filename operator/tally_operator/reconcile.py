@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,8 +54,9 @@ from tally_operator.metrics import OperatorMetrics
 from tally_operator.observations import Observations
 from tally_operator.policy import check_policy
 from tally_operator.samples import MetricsParseError, PodSample, parse_sample
-from tally_operator.scrape import post_json, scrape
+from tally_operator.scrape import Call, post_all, scrape
 from tally_operator.settings import OperatorSettings
+from tally_operator.signing import Signer
 from tally_operator.spec import Spec, SpecError, parse_spec
 from tally_operator.status import (
     invalid_verdicts,
@@ -70,9 +72,10 @@ from tally_operator.usage import (
     counted_uids,
     ledger_from_status,
     owned_pods,
+    pod_url,
     scrape_targets,
 )
-from tally_runtime.contract import FINAL_READ_PATH
+from tally_runtime.contract import FINAL_READ_PATH, FINAL_READ_SIGNATURE_HEADER
 
 log = logging.getLogger("tally_operator")
 MAX_WRITES = 5  # compare-and-swap attempts per pass before kopf retries the pass
@@ -93,6 +96,7 @@ class Context:
     settings: OperatorSettings
     kube: Kube
     metrics: OperatorMetrics
+    signer: Signer
     post_event: Post = kopf_event
 
 
@@ -382,13 +386,34 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
 
 async def acknowledge_final(ctx: Context, scraped: Scraped) -> None:
     """Tell each drained pod that its final counters are booked: only that lets its runtime exit."""
-    calls = {uid: (scraped.urls[uid] + FINAL_READ_PATH, sample.acknowledgement())
+    calls = {uid: signed(ctx.signer, scraped.urls[uid] + FINAL_READ_PATH, {**sample.acknowledgement(), "podUid": uid})
              for uid, sample in scraped.round.samples.items() if sample.final and uid in scraped.urls}
     if calls:
-        results = await post_json(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
+        results = await post_all(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
         for uid, result in results.items():
             if result != 200:
                 log.info("The final-read acknowledgement to pod %s was not taken: %r", uid, result)
+
+
+def signed(signer: Signer, url: str, body: Mapping[str, Any]) -> Call:
+    """A final-read call, signed over its exact bytes (tally_runtime/handoff.py)."""
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return url, raw, {FINAL_READ_SIGNATURE_HEADER: signer.sign(raw)}
+
+
+async def release_pods(ctx: Context, namespace: str, name: str) -> None:
+    """The CompletionService is gone, and its ledger with it: let its draining pods exit without waiting
+    for a final read nobody will book (each release is signed and names its pod)."""
+    pods = await asyncio.to_thread(ctx.kube.pods, namespace, f"{c.LABEL_SERVICE}={name}")
+    calls = {}
+    for pod in pods:
+        uid, ip = pod["metadata"].get("uid"), (pod.get("status") or {}).get("podIP")
+        if uid and ip:
+            calls[uid] = signed(ctx.signer, pod_url(ip, c.RUNTIME_METRICS_PORT, FINAL_READ_PATH),
+                                {"podUid": uid, "release": True})
+    if calls:
+        await post_all(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
+        log.info("Released %d pod(s) of deleted %s/%s from their final read", len(calls), namespace, name)
 
 
 def rejected(error: KubeError) -> SpecError:

@@ -40,11 +40,14 @@ async def scrape(urls: Mapping[str, str], concurrency: int, per_pod_seconds: flo
     return await _each(urls, concurrency, per_pod_seconds, get)
 
 
-async def post_json(calls: Mapping[str, tuple[str, Mapping[str, Any]]], concurrency: int,
-                    per_pod_seconds: float) -> dict[str, int | Exception]:
-    """POST a JSON body to every url (key -> (url, body)); each result is the status code or the exception."""
-    async def post(client: httpx.AsyncClient, call: tuple[str, Mapping[str, Any]]) -> int:
-        response = await client.post(call[0], json=dict(call[1]))
+Call = tuple[str, bytes, Mapping[str, str]]  # url, body, headers
+
+
+async def post_all(calls: Mapping[str, Call], concurrency: int, per_pod_seconds: float) -> dict[str, int | Exception]:
+    """POST a body to every url (key -> (url, body, headers)); each result is the status code or the exception."""
+    async def post(client: httpx.AsyncClient, call: Call) -> int:
+        response = await client.post(call[0], content=call[1], headers={"Content-Type": "application/json",
+                                                                        **call[2]})
         return response.status_code
 
     return await _each(calls, concurrency, per_pod_seconds, post)

@@ -34,10 +34,17 @@ class OperatorSettings:
     allowed_priority_classes: tuple[str, ...] = ()
     allowed_runtime_classes: tuple[str, ...] = ()
     # A NetworkPolicy per service: its metrics port open to this operator's pods only (namespace and
-    # instance label below), its API port to the pods of its own namespace
+    # instance label below) and to `monitoring_namespace`; its API port to every client unless
+    # `network_policy_api_same_namespace`
     network_policy: bool = False
+    network_policy_api_same_namespace: bool = False
     namespace: str = ""  # where the operator runs (the chart sets it from the downward API)
     instance: str = "tally-operator"  # its pods' app.kubernetes.io/instance label
+    # Metrics port of the runtime pods also open to this namespace's pods (a Prometheus), with network_policy
+    monitoring_namespace: str = ""
+    # The Ed25519 private key (PEM) that signs final-read acknowledgements (signing.py); the chart mounts it
+    signing_key_file: str = ""
+    final_read_key: str = ""  # its public key, put in every runtime pod's environment (set at start-up)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

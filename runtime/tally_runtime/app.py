@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tally_runtime import contract
+from tally_runtime import contract, handoff
 from tally_runtime.auth import ApiKeys
 from tally_runtime.client_watch import StallGuard
 from tally_runtime.drain import Drain
@@ -95,6 +95,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     app.state.api_keys = ApiKeys(Path(settings.api_keys_file)) if settings.api_keys_file else None
     app.state.trust_tenant_header = settings.trust_tenant_header or app.state.api_keys is None
     app.state.stall_guard = StallGuard(settings.send_stall_seconds)
+    app.state.final_read_key = handoff.public_key(settings.final_read_key) if settings.final_read_key else None
     if settings.metrics_port:
         app.add_middleware(OnlyItsPort, metrics_port=settings.metrics_port)
 

@@ -35,6 +35,7 @@ CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every
 # outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
 FINAL_READ_PATH = "/internal/final-read"
+FINAL_READ_SIGNATURE_HEADER = "X-Tally-Signature"  # the operator's Ed25519 signature of the body (handoff.py)
 # gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"
 

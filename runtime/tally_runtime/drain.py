@@ -10,12 +10,15 @@ otherwise keep sending to this pod on the connection it holds: the Service balan
 requests get 503 with Retry-After, and /metrics keeps answering. The pod's preStop pause (desired.py)
 gives the Service time to stop sending new connections before the signal comes. In-flight requests get
 `drain_seconds` to finish and be recorded; past that they are aborted in the engine, billed what it
-generated, and recorded whatever their client's socket does. Then the runtime waits up to
-`final_read_seconds` (a budget of its own, however late the drain ended) for the final-read handshake:
-the operator reads /metrics, books those counters in the CompletionService's status, and then posts them
-back to `POST /internal/final-read`. Only an acknowledgement that names this process's epoch and exactly
-its final counters ends the wait, so a Prometheus or a curious client reading /metrics never makes the
-pod exit before its last counters were booked.
+generated, and recorded whatever their client's socket does. Then the runtime waits for the final-read
+handshake: the operator reads /metrics, books those counters in the CompletionService's status, and then
+posts them back to `POST /internal/final-read`, signed (handoff.py). Only a signed acknowledgement that
+names this pod, this process's epoch and exactly its final counters ends the wait, so a Prometheus, a
+curious client or a forger reading /metrics never makes the pod exit before its last counters were booked.
+The wait lasts `final_read_seconds` plus whatever the drain left of `drain_seconds` (the pod's grace period
+covers both): an operator that is away for minutes, restarting or waiting out a peering lease, still books
+a pod that drained quickly. The operator may also release the wait (signed too): when its
+CompletionService is deleted there is no ledger left to book into.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +63,9 @@ class Drain:
         self.final_read_seconds = final_read_seconds
         self.exit_now = exit_now
         self.final_read = asyncio.Event()
+        self.released = False
         self.task: asyncio.Task[None] | None = None
+        self.began = 0.0
 
     def install(self) -> bool:
         """Take SIGTERM on the running loop (only possible from the main thread)."""
@@ -73,6 +79,7 @@ class Drain:
             log.warning("Second SIGTERM: exiting without waiting for %d generation(s)", self.server.admission.used)
             self.exit_now()
             return
+        self.began = time.monotonic()
         self.server.draining = True
         self.server.metrics.draining.set(1)
         if self.connections is not None:
@@ -89,6 +96,11 @@ class Drain:
             self.final_read.set()
             return True
         return False
+
+    def release(self) -> None:
+        """The operator will not book this pod (its CompletionService is gone): no final read to wait for."""
+        self.released = True
+        self.final_read.set()
 
     async def run(self) -> None:
         server = self.server
@@ -107,12 +119,14 @@ class Drain:
                           "were read", server.admission.used)
             server.book_all()  # whatever their sockets do (a client that stopped reading holds nothing)
         await server.settle()
-        if self.final_read_seconds > 0:
+        unused = max(0.0, self.began + self.drain_seconds - time.monotonic())
+        wait = self.final_read_seconds + unused if self.final_read_seconds > 0 else 0.0
+        if wait > 0:
             try:
-                async with asyncio.timeout(self.final_read_seconds):
+                async with asyncio.timeout(wait):
                     await self.final_read.wait()
-                log.info("Drained; the operator booked the final counters")
+                log.info("Drained; %s", "released by the operator" if self.released
+                         else "the operator booked the final counters")
             except TimeoutError:
-                log.warning("Drained, but no operator booked the final counters within %.0fs",
-                            self.final_read_seconds)
+                log.warning("Drained, but no operator booked the final counters within %.0fs", wait)
         self.exit_now()

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from tally_runtime import handoff
 from tally_runtime.engine.base import EngineConfig
 from tally_runtime.records import FORMATS
 
@@ -56,6 +57,7 @@ class Settings:
     trust_remote_code: bool = False
     log_level: str = "info"
     pod_uid: str = ""  # the operator sets it from the downward API
+    final_read_key: str = ""  # the operator's Ed25519 public key (base64): only it may end the final-read wait
     engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
 
 
@@ -121,6 +123,8 @@ _HELP: dict[str, str] = {
     "max_running_requests": "SGLang limit on running requests; 0 keeps SGLang's default",
     "trust_remote_code": "let SGLang run model code shipped with the checkpoint",
     "log_level": "uvicorn and runtime log level",
+    "final_read_key": "the operator's Ed25519 public key (base64, the operator sets it): the final-read "
+                      "acknowledgement must carry its signature, anything else gets 403",
     "pod_uid": "the uid of the pod this runtime serves in, exported as tally_runtime_info{pod_uid} so that a "
     "scraper can tell it reached the pod it meant (a pod IP can be reused)",
     "engine_args": "one extra SGLang server argument, by its full option name (repeat the flag for more; "
@@ -207,6 +211,11 @@ def validate(settings: Settings) -> str:
         return "--header-timeout-seconds, --body-timeout-seconds and --send-stall-seconds must be positive"
     if settings.max_queued_requests < 0:
         return "--max-queued-requests must be 0 (no queue) or more"
+    if settings.final_read_key:
+        try:
+            handoff.public_key(settings.final_read_key)
+        except ValueError as err:
+            return f"--final-read-key: {err}"
     for name in ("max_queue_seconds", "drain_seconds", "final_read_seconds"):
         if getattr(settings, name) < 0:
             return f"--{name.replace('_', '-')} must not be negative"

@@ -75,3 +75,16 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
   verbs: [get, create, patch, delete]
 {{- end }}
 {{- end -}}
+
+{{/* The signing key: the one the release's Secret holds, or a new one (the first install, or helm template). */}}
+{{- define "tally-operator.signingKey" -}}
+{{- $secret := lookup "v1" "Secret" .Release.Namespace (printf "%s-signing" (include "tally-operator.fullname" .)) -}}
+{{- if and $secret (index ($secret.data | default dict) "key.pem") -}}
+{{- index $secret.data "key.pem" | b64dec -}}
+{{- else -}}
+{{- if not (hasKey .Values "_signingKey") -}}
+{{- $_ := set .Values "_signingKey" (genPrivateKey "ed25519") -}}
+{{- end -}}
+{{- .Values._signingKey -}}
+{{- end -}}
+{{- end -}}
