@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import json
 import signal
 from pathlib import Path
 
 import httpx
 import openai
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from runtime_harness import metric_value, runtime_process, sse_payloads, until
 
 from tally_runtime.ledger import Journal
@@ -108,6 +112,50 @@ def test_a_drain_past_its_deadline_aborts_what_runs_and_still_waits_for_the_fina
         assert metric_value(final, "tally_completion_tokens_total") >= streamed  # what the engine generated
         assert not until(lambda: proc.poll() is not None, 3)  # well past the drain deadline, still waiting
         assert http.post("/internal/final-read", json=acknowledgement(final)).status_code == 200
+        assert proc.wait(timeout=30) == 0
+
+
+def signed(key: Ed25519PrivateKey, body: dict[str, object]) -> tuple[bytes, dict[str, str]]:
+    """A final-read call as the operator makes it (reconcile.signed): the exact bytes, their signature."""
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return raw, {"X-Tally-Signature": base64.b64encode(key.sign(raw)).decode(), "Content-Type": "application/json"}
+
+
+def public(key: Ed25519PrivateKey) -> str:
+    return base64.b64encode(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
+
+
+def test_only_an_acknowledgement_signed_by_the_operator_ends_the_drain(tmp_path: Path) -> None:
+    """Anyone who reaches the metrics port can read the final counters; only the operator's key can sign them
+    back. The drain of an idle pod leaves most of its budget: the final read may use it."""
+    operator, forger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--final-read-key", public(operator), "--pod-uid", "pod-a",
+                         "--drain-seconds", "60", "--final-read-seconds", "1") as (proc, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert until(lambda: metric_value(http.get("/metrics").text, "tally_draining") == 1, 10)
+        final = {**acknowledgement(http.get("/metrics").text), "podUid": "pod-a"}
+        assert http.post("/internal/final-read", json=final).status_code == 403  # read and posted back: forged
+        for body, headers in (signed(forger, final), signed(operator, {**final, "podUid": "pod-b"}),
+                              signed(forger, {"podUid": "pod-a", "release": True})):
+            refused = http.post("/internal/final-read", content=body, headers=headers)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+        body, headers = signed(operator, final)
+        assert http.post("/internal/final-read", content=body + b" ", headers=headers).status_code == 403
+        assert not until(lambda: proc.poll() is not None, 3)  # past --final-read-seconds: the drain's time is left
+        assert http.post("/internal/final-read", content=body, headers=headers).status_code == 200
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_signed_release_ends_the_wait_of_a_pod_whose_service_is_gone(tmp_path: Path) -> None:
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--final-read-key", public(operator), "--pod-uid", "pod-a",
+                         "--final-read-seconds", "120") as (proc, url), httpx.Client(base_url=url, timeout=60) as http:
+        proc.send_signal(signal.SIGTERM)
+        assert until(lambda: metric_value(http.get("/metrics").text, "tally_draining") == 1, 10)
+        body, headers = signed(operator, {"podUid": "pod-a", "release": True})
+        assert http.post("/internal/final-read", content=body, headers=headers).status_code == 200
         assert proc.wait(timeout=30) == 0
 
 

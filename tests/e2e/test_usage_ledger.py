@@ -16,9 +16,10 @@ import pytest
 from kube_harness import Kubectl, container_id, eventually, in_cluster, node_ctr, node_exec
 from operator_harness import ChartOperator
 from runtime_harness import sse_payloads
-from usage_harness import MODEL, complete, service, serving_pods, status, totals_match
+from usage_harness import MODEL, billed, complete, ledger_tenants, service, serving_pods, status, totals_match
 
 pytestmark = pytest.mark.e2e
+TENANTS = ("team-a", "team-b")
 
 
 def ip(pod: dict[str, Any]) -> str:
@@ -63,14 +64,16 @@ def crash(kube: Kubectl, pod: dict[str, Any]) -> None:
                ["restartCount"] > before, 60, what="the runtime restarted by the kubelet")
 
 
-def exact(kube: Kubectl, sent: list[dict[str, int]], what: str, deadline: float = 60) -> dict[str, Any]:
+def exact(kube: Kubectl, sent: list[dict[str, Any]], what: str, deadline: float = 60) -> dict[str, Any]:
+    """status.usage, once its totals and every tenant's equal what the clients were told."""
     clients = (len(sent), sum(u["prompt"] for u in sent), sum(u["completion"] for u in sent))
     try:
         usage = eventually(lambda: totals_match(kube, sent), deadline, interval=0.5, what=f"status.usage {what}")
     except AssertionError as failure:
-        got = {k: v for k, v in (status(kube).get("usage") or {}).items() if k != "pods"}
+        got = {k: v for k, v in (status(kube).get("usage") or {}).items() if k not in {"pods", "tenants"}}
         raise AssertionError(f"{failure}; clients received (requests, prompt, completion) {clients}, "
-                             f"status.usage is {got}") from None
+                             f"per tenant {billed(sent)}; status.usage is {got}, per tenant "
+                             f"{ledger_tenants(status(kube).get('usage') or {})}") from None
     return dict(usage)
 
 
@@ -78,7 +81,7 @@ def test_status_usage_equals_what_clients_received_through_every_lifecycle_event
         operator: ChartOperator, kube: Kubectl, frozen: list[tuple[dict[str, str], str]]) -> None:
     kube.apply(service(replicas=2))
     pods = serving_pods(kube, 2)
-    sent = [complete(ip(p), stream=i % 2 == 0) for i, p in enumerate(pods * 2)]
+    sent = [complete(ip(p), stream=i % 2 == 0, tenant=TENANTS[i % 2]) for i, p in enumerate(pods * 2)]
     exact(kube, sent, "in steady state")
 
     # a pod deleted while it streams: the stream finishes, the pod drains and is read a last time
@@ -89,7 +92,7 @@ def test_status_usage_equals_what_clients_received_through_every_lifecycle_event
 
     # a pod deleted right after serving
     victim = pods[0]
-    sent.append(complete(ip(victim), stream=True))
+    sent.append(complete(ip(victim), stream=True, tenant=TENANTS[1]))
     kube("delete", "pod", victim["metadata"]["name"], "--wait=false")
     pods = others(kube, victim, 2)
     exact(kube, sent, "after a pod was deleted right after serving")
@@ -110,7 +113,7 @@ def test_status_usage_equals_what_clients_received_through_every_lifecycle_event
 
     # both operators SIGKILLed; the pod serves while none runs; the kubelet restarts them
     killed = operator.kill()
-    sent += [complete(ip(pods[0]), stream=i == 0) for i in range(2)]
+    sent += [complete(ip(pods[0]), stream=i == 0, tenant=TENANTS[i]) for i in range(2)]
     operator.restarted(killed)
     # kopf's peering keeps a killed operator's record for a while; the new ones may wait it out first
     exact(kube, sent, "after the operators were killed and restarted", deadline=180)
@@ -254,3 +257,71 @@ def test_a_deployment_deleted_as_an_orphan_and_recreated_books_its_pods_once(
     sent.append(complete(ip(pod), stream=True))
     exact(kube, sent, "after the re-adoption: the pod's history booked once")
     assert (status(kube).get("usage") or {}).get("podsUnaccounted") == 0
+
+
+def tenant_series(text: str, field: str = "completion_tokens") -> dict[str, float]:
+    """An operator's tally_service_tenant_<field>_total series of service smollm, per tenant."""
+    series = {}
+    for line in text.splitlines():
+        if line.startswith(f"tally_service_tenant_{field}_total{{") and 'name="smollm"' in line:
+            tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+            series[tenant] = float(line.rsplit(" ", 1)[1])
+    return series
+
+
+def test_a_pod_deleted_while_every_operator_is_down_is_booked_per_tenant_and_a_forged_hand_off_is_refused(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    """Two tenants (API keys) stream through two pods; every operator is SIGKILLed; a serving pod is deleted
+    while none runs and drains; another pod reads its final counters and posts them back (a forged
+    acknowledgement): refused, the pod keeps waiting, and the restarted operator books it. The totals and
+    every tenant's equal what its clients were told, and the operator's tenant series equal the ledger."""
+    keys = {"team-a": "sk-team-a-0123456789", "team-b": "sk-team-b-0123456789"}
+    kube("create", "secret", "generic", "tally-api-keys",
+         "--from-literal=api-keys=" + "".join(f"{tenant} {key}\n" for tenant, key in keys.items()))
+    manifest = service(replicas=2)
+    manifest["spec"]["auth"] = {"apiKeysSecret": {"name": "tally-api-keys"}}
+    kube.apply(manifest)
+    pods = serving_pods(kube, 2)
+    sent = [complete(ip(p), stream=i % 2 == 0, tenant=tenant, key=keys[tenant])
+            for i, p in enumerate(pods) for tenant in keys]
+    exact(kube, sent, "with two tenants on two pods")
+
+    killed = operator.kill()
+    victim = pods[0]
+    sent += [complete(ip(victim), stream=True, tenant=tenant, key=keys[tenant]) for tenant in keys]
+    kube("delete", "pod", victim["metadata"]["name"], "--wait=false")
+    metrics_url = f"http://{ip(victim)}:8001"
+
+    def drained() -> str:
+        with in_cluster(5) as http:
+            text = http.get(f"{metrics_url}/metrics").text
+        return text if "\ntally_draining 1.0" in text and "\ntally_inflight_generations 0.0" in text else ""
+
+    final = eventually(drained, 60, interval=0.5, what="the deleted pod drained")
+    counters = {"podUid": victim["metadata"]["uid"], "epoch": metric(final, "tally_start_time_seconds"),
+                "requests": metric(final, "tally_requests_total"),
+                "promptTokens": metric(final, "tally_prompt_tokens_total"),
+                "completionTokens": metric(final, "tally_completion_tokens_total"),
+                "cachedTokens": metric(final, "tally_cached_tokens_total")}
+    with in_cluster(5) as http:  # the test's relay is another pod of the cluster network
+        forged = http.post(f"{metrics_url}/internal/final-read", json=counters)
+        signed_badly = http.post(f"{metrics_url}/internal/final-read", json=counters,
+                                 headers={"X-Tally-Signature": "A" * 88})
+        released = http.post(f"{metrics_url}/internal/final-read",
+                             json={"podUid": victim["metadata"]["uid"], "release": True})
+        assert [forged.status_code, signed_badly.status_code, released.status_code] == [403, 403, 403]
+        assert http.get(f"{metrics_url}/metrics").status_code == 200  # still there, still waiting
+
+    operator.restarted(killed)
+    usage = exact(kube, sent, "after a pod was deleted while every operator was down", deadline=240)
+    assert usage["podsUnaccounted"] == 0
+    assert all(u["uid"] != victim["metadata"]["uid"] for u in usage["pods"])  # booked final, then gone
+    ledger = {name: t["completionTokens"] for name, t in usage["tenants"].items()}
+    eventually(lambda: any(tenant_series(text) == ledger for text in operator.metrics()), 30, interval=1,
+               what=f"the restarted operator's tenant series equal to the ledger's {ledger}")
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (every label set)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))

@@ -54,28 +54,47 @@ def healthy(ip: str) -> bool:
 
 
 def complete(ip: str, stream: bool, prompt: str = "Tell me a joke", max_tokens: int = 6,
-             tenant: str | None = None) -> dict[str, int]:
-    """One completion from the openai SDK (inside the cluster, through its relay); the usage it was told."""
+             tenant: str | None = None, key: str | None = None) -> dict[str, Any]:
+    """One completion from the openai SDK (inside the cluster, through its relay); the usage it was told and
+    the tenant it is billed to (`tenant`: with `key`, the key's tenant; without, named by header)."""
     with in_cluster(120) as http:
-        client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, http_client=http,
-                               default_headers={"X-Tally-Tenant": tenant} if tenant else None)
+        client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key=key or "unused", max_retries=0,
+                               http_client=http,
+                               default_headers={"X-Tally-Tenant": tenant} if tenant and not key else None)
         if not stream:
             reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
             assert reply.usage is not None
-            return {"prompt": reply.usage.prompt_tokens, "completion": reply.usage.completion_tokens}
+            return {"prompt": reply.usage.prompt_tokens, "completion": reply.usage.completion_tokens,
+                    "tenant": tenant or "anonymous"}
         usage = None
         for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
                                                stream_options={"include_usage": True}):
             usage = chunk.usage or usage
     assert usage is not None
-    return {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
+    return {"prompt": usage.prompt_tokens, "completion": usage.completion_tokens, "tenant": tenant or "anonymous"}
 
 
-def totals_match(kube: Kubectl, sent: list[dict[str, int]]) -> dict[str, Any]:
-    usage = status(kube).get("usage") or {}
+def billed(sent: list[dict[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    """What each tenant's clients were told: (requests, prompt tokens, completion tokens)."""
+    tenants: dict[str, tuple[int, int, int]] = {}
+    for usage in sent:
+        requests, prompt, completion = tenants.get(usage.get("tenant", "anonymous"), (0, 0, 0))
+        tenants[usage.get("tenant", "anonymous")] = (requests + 1, prompt + usage["prompt"],
+                                                     completion + usage["completion"])
+    return tenants
+
+
+def ledger_tenants(usage: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+    return {name: (t.get("requests"), t.get("promptTokens"), t.get("completionTokens"))
+            for name, t in (usage.get("tenants") or {}).items()}
+
+
+def totals_match(kube: Kubectl, sent: list[dict[str, Any]], name: str = "smollm") -> dict[str, Any]:
+    """status.usage when its totals and every tenant's equal what the clients were told, else {}."""
+    usage = status(kube, name).get("usage") or {}
     expected = (len(sent), sum(u["prompt"] for u in sent), sum(u["completion"] for u in sent))
-    return usage if (usage.get("requests"), usage.get("promptTokens"), usage.get("completionTokens")) == expected \
-        else {}
+    totals = (usage.get("requests"), usage.get("promptTokens"), usage.get("completionTokens"))
+    return usage if totals == expected and ledger_tenants(usage) == billed(sent) else {}
 
 
 class ClientThreads:
