@@ -106,3 +106,28 @@ def test_the_network_policy_opens_metrics_to_the_operator_only() -> None:
     assert metrics["ports"] == [{"port": 8001, "protocol": "TCP"}]
     assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "tally-system"}
     assert api["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert "from" not in api  # every client by default
+
+
+def test_the_network_policy_admits_a_monitoring_namespace_and_can_close_the_api_to_other_namespaces() -> None:
+    policy = desired_network_policy({"name": "s", "namespace": "n", "uid": "u"}, OperatorSettings(
+        network_policy=True, namespace="tally-system", monitoring_namespace="monitoring",
+        network_policy_api_same_namespace=True))
+    assert policy is not None
+    metrics, api = policy["spec"]["ingress"]
+    assert [peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for peer in metrics["from"]] == \
+        ["tally-system", "monitoring"]
+    assert "podSelector" not in metrics["from"][1]  # every pod of the monitoring namespace
+    assert api["from"] == [{"podSelector": {}}]
+
+
+def test_runtime_pods_get_the_operators_public_key_and_nothing_when_it_has_none() -> None:
+    meta = {"name": "s", "namespace": "n", "uid": "u"}
+    spec = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}})
+
+    def env(settings: OperatorSettings) -> dict[str, str]:
+        container = desired_deployment(meta, spec, settings)["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value", "") for e in container["env"]}
+
+    assert env(OperatorSettings(final_read_key="cHVibGlj"))["TALLY_FINAL_READ_KEY"] == "cHVibGlj"
+    assert "TALLY_FINAL_READ_KEY" not in env(OperatorSettings())

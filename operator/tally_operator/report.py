@@ -1,0 +1,123 @@
+"""`tally-usage`: each tenant's exact totals from the durable ledger (`status.usage.tenants`), without
+Prometheus; with `--since`, the usage of a period: the difference from a snapshot taken at its start.
+
+    kubectl get completionservices -A -o json > 2026-12.json          # at the start of the period
+    kubectl get completionservices -A -o json | tally-usage --since 2026-12.json
+
+The ledger's totals only rise while a CompletionService exists, so the difference of two snapshots of one
+service is exactly what it booked in between. A service deleted and created again has a new uid and a new
+ledger: it is refused in a period that spans that (its earlier part is in the earlier snapshot only).
+Reading is pure (`rows`, `period`); only `main` reads files and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("requests", "promptTokens", "completionTokens", "cachedTokens")
+MAX_INPUT_BYTES = 256 << 20
+
+
+class ReportError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    namespace: str
+    service: str
+    uid: str
+    tenant: str
+    counts: tuple[int, ...]  # FIELDS, in order
+
+
+def rows(document: Mapping[str, Any]) -> list[Row]:
+    """Every tenant line of every CompletionService in `kubectl get -o json` output (a List or one object)."""
+    items = document.get("items") if document.get("kind", "").endswith("List") else [document]
+    found = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, Mapping) or item.get("kind") != "CompletionService":
+            continue
+        meta = item.get("metadata") or {}
+        tenants = ((item.get("status") or {}).get("usage") or {}).get("tenants") or {}
+        for tenant, counts in sorted(tenants.items() if isinstance(tenants, Mapping) else []):
+            if isinstance(counts, Mapping):
+                found.append(Row(str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", "")),
+                                 str(tenant), tuple(_count(counts.get(f)) for f in FIELDS)))
+    return found
+
+
+def period(now: Sequence[Row], start: Sequence[Row]) -> list[Row]:
+    """What each tenant used between two snapshots: now minus start, per service (by uid) and tenant."""
+    earlier = {(r.namespace, r.service, r.tenant): r for r in start}
+    uids = {(r.namespace, r.service): r.uid for r in start}
+    result = []
+    for row in now:
+        uid = uids.get((row.namespace, row.service))
+        if uid is not None and uid != row.uid:
+            raise ReportError(f"{row.namespace}/{row.service} was deleted and created again since the snapshot "
+                              "(another uid): its ledger began again, so no difference is exact")
+        before = earlier.get((row.namespace, row.service, row.tenant))
+        base = before.counts if before is not None else (0,) * len(FIELDS)
+        if any(n < b for n, b in zip(row.counts, base, strict=True)):
+            raise ReportError(f"{row.namespace}/{row.service} tenant {row.tenant}: the ledger is lower than in the "
+                              "snapshot: the snapshot is not an earlier one of this cluster")
+        result.append(Row(row.namespace, row.service, row.uid, row.tenant,
+                          tuple(n - b for n, b in zip(row.counts, base, strict=True))))
+    return result
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _load(path: str) -> Mapping[str, Any]:
+    raw = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1) if path == "-" else Path(path).read_bytes()
+    if len(raw) > MAX_INPUT_BYTES:
+        raise ReportError(f"{path}: larger than {MAX_INPUT_BYTES >> 20} MiB")
+    try:
+        document = json.loads(raw)
+    except ValueError as err:
+        raise ReportError(f"{path}: not JSON ({err}); give `kubectl get completionservices -o json` output") from None
+    if not isinstance(document, Mapping):
+        raise ReportError(f"{path}: not a Kubernetes object or List")
+    return document
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tally-usage", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", nargs="?", default="-", help="`kubectl get completionservices -o json` output "
+                                                                "(default: standard input)")
+    parser.add_argument("--since", metavar="SNAPSHOT", help="the same output saved at the period's start")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        found = rows(_load(args.input))
+        if args.since:
+            found = period(found, rows(_load(args.since)))
+    except (ReportError, OSError) as err:
+        print(f"tally-usage: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        for row in found:
+            print(json.dumps({"namespace": row.namespace, "service": row.service, "tenant": row.tenant,
+                              **dict(zip(FIELDS, row.counts, strict=True))}))
+        return 0
+    table: list[tuple[str, ...]] = [("NAMESPACE", "SERVICE", "TENANT", "REQUESTS", "PROMPT", "COMPLETION", "CACHED")]
+    table += [(r.namespace, r.service, r.tenant, *map(str, r.counts)) for r in found]
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  ".join(cell.ljust(width) if i < 3 else cell.rjust(width)
+                        for i, (cell, width) in enumerate(zip(line, widths, strict=True))).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""`tally-usage`: per-tenant totals from the ledger and the usage of a period between two snapshots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tally_operator.report import ReportError, main, period, rows
+
+
+def service(uid: str, tenants: dict[str, tuple[int, int, int, int]], name: str = "chat") -> dict[str, Any]:
+    return {"apiVersion": "serving.tally.dev/v1alpha1", "kind": "CompletionService",
+            "metadata": {"namespace": "team", "name": name, "uid": uid},
+            "status": {"usage": {"tenants": {t: dict(zip(("requests", "promptTokens", "completionTokens",
+                                                           "cachedTokens"), c, strict=True))
+                                             for t, c in tenants.items()}}}}
+
+
+def listing(*items: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "List", "items": list(items)}
+
+
+def test_the_usage_of_a_period_is_the_difference_of_two_snapshots() -> None:
+    start = rows(listing(service("u1", {"acme": (10, 100, 200, 5)})))
+    now = rows(listing(service("u1", {"acme": (15, 160, 290, 5), "zeta": (1, 2, 3, 0)})))
+    assert [(r.tenant, r.counts) for r in period(now, start)] == [("acme", (5, 60, 90, 0)), ("zeta", (1, 2, 3, 0))]
+
+
+def test_a_recreated_service_or_a_later_snapshot_is_refused() -> None:
+    start = rows(listing(service("u1", {"acme": (10, 100, 200, 5)})))
+    with pytest.raises(ReportError, match="created again"):
+        period(rows(listing(service("u2", {"acme": (11, 100, 200, 5)}))), start)
+    with pytest.raises(ReportError, match="lower"):
+        period(rows(listing(service("u1", {"acme": (9, 100, 200, 5)}))), start)
+
+
+def test_the_command_prints_a_table_and_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    snapshot = tmp_path / "start.json"
+    snapshot.write_text(json.dumps(service("u1", {"acme": (1, 1, 1, 0)})))
+    current = tmp_path / "now.json"
+    current.write_text(json.dumps(listing(service("u1", {"acme": (3, 30, 40, 0)}), {"kind": "Pod"})))
+    assert main([str(current), "--since", str(snapshot), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"namespace": "team", "service": "chat", "tenant": "acme",
+                                                   "requests": 2, "promptTokens": 29, "completionTokens": 39,
+                                                   "cachedTokens": 0}
+    assert main([str(current)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == ["team", "chat", "acme", "3", "30", "40", "0"]
+    current.write_text("not json")
+    assert main([str(current)]) == 1 and "not JSON" in capsys.readouterr().err
