@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tally_runtime import contract, handoff
 from tally_runtime.auth import ApiKeys
+from tally_runtime.budgets import Budgets
 from tally_runtime.client_watch import StallGuard
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
@@ -35,6 +36,13 @@ from tally_runtime.serving import Server
 from tally_runtime.settings import Settings
 
 log = logging.getLogger("tally_runtime")
+
+
+def counted(totals: Totals, tenant: str, server: Server) -> float:
+    """The tenant's counter on this pod as its budget counts it (what the operator books from /metrics)."""
+    _, prompt, completion, _ = totals.tenants.get(tenant, (0.0, 0.0, 0.0, 0.0))
+    count = server.budgets.count if server.budgets is not None else "total"
+    return {"total": prompt + completion, "prompt": prompt, "completion": completion}[count]
 
 
 def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] | None = None,
@@ -72,6 +80,10 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         app.state.tenant_header = settings.tenant_header
         app.state.max_body_bytes = settings.max_body_bytes
         app.state.server = server
+        if settings.budgets:
+            refusals = metrics_.budget_refusals
+            server.budgets = Budgets(counter=lambda tenant: counted(totals, tenant, server), epoch=totals.epoch,
+                                     on_refused=lambda tenant, code: refusals.labels(tenant, code).inc())
         app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit,
                                 connections)
         if exit_now is not None:

@@ -31,10 +31,13 @@ RUNTIME_INFO = f"{PREFIX}_runtime_info"  # gauge{pod_uid}: 1; which pod this run
 JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter journal cannot be written
 RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not written whole (stdout, file)
 STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading
+BUDGET_REMAINING = f"{PREFIX}_budget_remaining_tokens"  # gauge{tenant}: what this pod's lease leaves the tenant
+BUDGET_REFUSALS = f"{PREFIX}_budget_refusals"  # counter{tenant,code}: 429s, insufficient_quota or rate_limit_exceeded
 CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its cap) or client (before auth)
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every
 # outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
 FINAL_READ_PATH = "/internal/final-read"
+BUDGETS_PATH = "/internal/budgets"  # the operator's signed leases per tenant (budgets.py)
 FINAL_READ_SIGNATURE_HEADER = "X-Tally-Signature"  # the operator's Ed25519 signature of the body (handoff.py)
 # gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"
@@ -62,9 +65,11 @@ OUTCOME_ABORTED = "aborted"  # the client went away
 OUTCOME_ERROR = "error"  # the engine failed mid-request
 OUTCOME_INVALID = "invalid"  # rejected before generating (4xx)
 OUTCOME_OVERLOADED = "overloaded"  # rejected with 503
+OUTCOME_OVER_BUDGET = "over_budget"  # 429 insufficient_quota: the tenant's token budget does not cover it
+OUTCOME_RATE_LIMITED = "rate_limited"  # 429 rate_limit_exceeded: the tenant's tokens per minute
 # Refused before they started: in tally_requests_total, never in usage, per-tenant series or the operator's
 # request totals
-REFUSED_OUTCOMES = frozenset({OUTCOME_INVALID, OUTCOME_OVERLOADED})
+REFUSED_OUTCOMES = frozenset({OUTCOME_INVALID, OUTCOME_OVERLOADED, OUTCOME_OVER_BUDGET, OUTCOME_RATE_LIMITED})
 
 STREAM_MODES = ("incremental", "cumulative")
 

@@ -63,6 +63,10 @@ class Metrics:
         self.connections_refused = Counter(contract.CONNECTIONS_REFUSED, "Connections refused on arrival: over their "
                                            "port's cap, or their client's before it authenticated", ["why"],
                                            registry=r)
+        self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "
+                                      "under its lease (counted as the budget counts them)", ["tenant"], registry=r)
+        self.budget_refusals = Counter(contract.BUDGET_REFUSALS, "Requests refused with 429 for the tenant's budget "
+                                       "or rate", ["tenant", "code"], registry=r)
         self.streams_stalled = Counter(contract.STALLED_STREAMS,
                                        "Streams ended because their client took no data for --send-stall-seconds",
                                        registry=r)

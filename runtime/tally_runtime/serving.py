@@ -32,6 +32,7 @@ from typing import Any
 from tally_runtime import contract, sse
 from tally_runtime.admission import Admission, QueueFull
 from tally_runtime.auth import Tenant
+from tally_runtime.budgets import QUOTA_CODE, Budgets, Reservation, reservation_tokens
 from tally_runtime.engine.base import Delta, Engine, EngineError, EngineInfo, FinishReason, InvalidRequestError
 from tally_runtime.fanin import Batch, Choices
 from tally_runtime.ledger import Journal
@@ -77,10 +78,34 @@ class Server:
         self.closing: set[asyncio.Task[None]] = set()  # runs finishing their books (see Run.close)
         self.quiet = asyncio.Event()  # no run open: every admitted request is recorded
         self.quiet.set()
+        self.budgets: Budgets | None = None  # per-tenant leases, when the operator manages budgets
+
+    def reserve(self, job: Job, tenant: Tenant) -> Reservation | None:
+        """The request's worst case, reserved from its tenant's lease (429 when it does not fit)."""
+        if self.budgets is None:
+            return None
+        tokens = reservation_tokens([len(p) for p in job.prompts], job.n, job.sampling.max_tokens,
+                                    self.budgets.count)
+        return self.budgets.reserve(self.metrics.tenant_label(tenant.name), tokens)
+
+    def return_reservation(self, reservation: Reservation | None, usage: RequestUsage | None) -> None:
+        """After the request's usage was counted: its reservation returned, what it spent is in the counter."""
+        if reservation is None or self.budgets is None:
+            return
+        billed = 0.0
+        if usage is not None:
+            billed = {"total": usage.prompt_tokens + usage.completion_tokens, "prompt": usage.prompt_tokens,
+                      "completion": usage.completion_tokens}[self.budgets.count]
+        self.budgets.settle(reservation, billed)
 
     def reject(self, endpoint: str, error: ApiError, tenant: Tenant, job: Job | None = None) -> None:
         """Record a request refused before it started: once, with no usage."""
-        outcome = contract.OUTCOME_OVERLOADED if error.status == 503 else contract.OUTCOME_INVALID
+        if error.status == 503:
+            outcome = contract.OUTCOME_OVERLOADED
+        elif error.status == 429:
+            outcome = contract.OUTCOME_OVER_BUDGET if error.code == QUOTA_CODE else contract.OUTCOME_RATE_LIMITED
+        else:
+            outcome = contract.OUTCOME_INVALID
         self.abandon(endpoint, outcome, tenant, job)
 
     def abandon(self, endpoint: str, outcome: str, tenant: Tenant, job: Job | None = None,
@@ -119,12 +144,17 @@ class Server:
         An `ApiError` (refused: not admitted, or the engine refused it before its first token) is left to
         the caller to record; a client that leaves while queued is recorded here, one that leaves in
         prefill by its run."""
+        reservation = self.reserve(job, tenant)
         try:
             await self._admit(job)
         except asyncio.CancelledError:
+            self.return_reservation(reservation, None)
             self.abandon(job.endpoint.name, contract.OUTCOME_ABORTED, tenant, job, started)
             raise
-        run = Run(self, job, tenant)
+        except BaseException:
+            self.return_reservation(reservation, None)
+            raise
+        run = Run(self, job, tenant, reservation)
         try:
             await run.prime()
         except ApiError as error:
@@ -194,10 +224,11 @@ class Server:
 class Run:
     """One admitted job in flight: merges its choices' deltas and keeps its own accounts."""
 
-    def __init__(self, server: Server, job: Job, tenant: Tenant) -> None:
+    def __init__(self, server: Server, job: Job, tenant: Tenant, reservation: Reservation | None = None) -> None:
         self.server = server
         self.job = job
         self.tenant = tenant
+        self.reservation = reservation
         self.usage = [ChoiceUsage(i, i // job.n, len(job.prompts[i // job.n])) for i in range(job.generations)]
         self.started = time.monotonic()
         self.first_token_seen = False
@@ -321,6 +352,7 @@ class Run:
             log.exception("Ending generation %s failed; it is billed as far as it was read", self.job.header.id)
             await self.choices.cancel()
         finally:
+            usage = None
             try:
                 if not refused:
                     duration = time.monotonic() - self.started
@@ -328,6 +360,7 @@ class Run:
                     server.record(self.usage_record(usage, duration), self.finish_reason, usage)
                     server.metrics.e2e.observe(duration)
             finally:
+                server.return_reservation(self.reservation, usage)
                 self.release()
                 server.runs.discard(self)
                 if not server.runs:

@@ -45,6 +45,7 @@ class Settings:
     tenant_header: str = "X-Tally-Tenant"
     api_keys_file: str = ""  # empty: no keys (the tenant header or `user` names the tenant)
     trust_tenant_header: bool = False
+    budgets: bool = False  # the operator leases per-tenant allowances (POST /internal/budgets): refuse without one
     metrics_port: int = 0  # 0: /metrics on the API port
     max_tenants: int = 100
     force_include_usage: bool = False
@@ -107,6 +108,9 @@ _HELP: dict[str, str] = {
     "'user' field; empty: only 'user'. With --api-keys-file it counts only with --trust-tenant-header",
     "api_keys_file": "file of API keys, a '<tenant> <key>' line each (a mounted Secret; re-read when it changes): "
     "every request then needs 'Authorization: Bearer <key>' and is billed to the key's tenant",
+    "budgets": "per-tenant token budgets and rate limits: every request reserves its worst case from the "
+               "tenant's lease, which the operator grants (POST /internal/budgets on the metrics port); none is "
+               "served before the first lease arrives",
     "trust_tenant_header": "with --api-keys-file: the key authenticates a gateway, and the tenant header (given "
     "once) names the tenant",
     "metrics_port": "serve /metrics and the final-read handshake on this port only, away from the API's "

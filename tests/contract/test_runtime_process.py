@@ -131,7 +131,8 @@ def test_only_an_acknowledgement_signed_by_the_operator_ends_the_drain(tmp_path:
     operator, forger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     with runtime_process(tmp_path / "rt.log", "--final-read-key", public(operator), "--pod-uid", "pod-a",
                          "--drain-seconds", "60", "--final-read-seconds", "1") as (proc, url), \
-            httpx.Client(base_url=url, timeout=60) as http:
+            httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        # a new connection per call: the drain closes idle pooled ones (test_connections.py)
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert until(lambda: metric_value(http.get("/metrics").text, "tally_draining") == 1, 10)
@@ -151,7 +152,8 @@ def test_only_an_acknowledgement_signed_by_the_operator_ends_the_drain(tmp_path:
 def test_a_signed_release_ends_the_wait_of_a_pod_whose_service_is_gone(tmp_path: Path) -> None:
     operator = Ed25519PrivateKey.generate()
     with runtime_process(tmp_path / "rt.log", "--final-read-key", public(operator), "--pod-uid", "pod-a",
-                         "--final-read-seconds", "120") as (proc, url), httpx.Client(base_url=url, timeout=60) as http:
+                         "--final-read-seconds", "120") as (proc, url), \
+            httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         proc.send_signal(signal.SIGTERM)
         assert until(lambda: metric_value(http.get("/metrics").text, "tally_draining") == 1, 10)
         body, headers = signed(operator, {"podUid": "pod-a", "release": True})

@@ -16,11 +16,18 @@ from tally_runtime.serving import Server
 
 router = APIRouter()
 MAX_ACK_BYTES = 4096
+MAX_LEASE_BYTES = 256 << 10  # 1,000 tenants' leases, with room
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     server: Server = request.app.state.server
+    budgets = server.budgets
+    if budgets is not None:
+        for tenant in budgets.leases:
+            remaining = budgets.remaining(tenant)
+            if remaining is not None:
+                server.metrics.budget_remaining.labels(tenant).set(remaining)
     body = server.metrics.render(server.engine.own_metrics(), settled=server.done)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -48,3 +55,26 @@ async def final_read(request: Request) -> Response:
         return error_response(ApiError(409, "Not draining and idle, or these are not the final counters",
                                        code="not_final"))
     return json_response({"status": "acknowledged"})
+
+
+@router.post(contract.BUDGETS_PATH)
+async def budgets(request: Request) -> Response:
+    """The operator's leases per tenant, signed like the final-read acknowledgement (budgets.py)."""
+    server: Server = request.app.state.server
+    if server.budgets is None:
+        return error_response(ApiError(404, "Budgets are not enabled on this runtime (--budgets)", code="not_found"))
+    body = await read_body(request, MAX_LEASE_BYTES)
+    key = request.app.state.final_read_key
+    if key is not None and not handoff.verify(key, body, request.headers.get(handoff.SIGNATURE_HEADER)):
+        return error_response(ApiError(403, "The leases are not signed by this pod's operator", code="forbidden"))
+    try:
+        message = orjson.loads(body)
+        if not isinstance(message, dict):
+            raise ValueError("expected a JSON object")
+        pod_uid = server.metrics.pod_uid
+        if key is not None and pod_uid and message.get("podUid") != pod_uid:
+            return error_response(ApiError(403, "The leases name another pod", code="forbidden"))
+        server.budgets.apply(message, server.metrics.totals.epoch)
+    except (orjson.JSONDecodeError, ValueError) as err:
+        return error_response(ApiError(400, f"Not a lease message: {err}"))
+    return json_response({"status": "applied", "tenants": len(server.budgets.leases)})

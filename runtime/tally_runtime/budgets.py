@@ -1,0 +1,179 @@
+"""Token budgets and rate limits per tenant: reserve at admission, settle to the engine's count.
+
+The operator leases each pod, per tenant, an allowance (tally_operator/budget.py): a value of the tenant's
+own counter on this pod (its counted tokens under this process's epoch, the counter the operator books)
+up to which the pod may spend, and a share of the tenant's tokens-per-minute rate. A request reserves its
+worst case before it is admitted: every prompt token once per choice and `max_tokens` per choice (a request
+without `max_tokens` reserves up to the context length). It is refused with 429 unless the tenant's counter,
+what its requests in flight reserved, and this reservation together stay within the allowance, and the
+tokens reserved or spent in the last minute stay within the rate share. When the request ends, however it
+ends, its reservation is settled: the counter has grown by what the engine billed (which is never more
+than was reserved), and the reservation is returned. So a pod never spends past its lease, and the
+operator keeps the leases of all pods within the tenant's budget.
+
+A tenant with no lease: spends nothing while budgets are on (the operator's first lease arrives within a
+scrape interval of the pod serving), unless the lease message names a starter allowance for tenants it does
+not list (tenants that spent nothing this period). The state lives on the event loop only.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tally_runtime.protocol import ApiError
+
+WINDOW_SECONDS = 60.0
+COUNTS = ("total", "completion", "prompt")
+QUOTA_CODE = "insufficient_quota"
+RATE_CODE = "rate_limit_exceeded"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    allowance: float | None = None  # counter value the tenant may spend up to (None: no budget)
+    tokens_per_minute: float | None = None  # this pod's share of the rate (None: no rate limit)
+
+
+@dataclass(slots=True)
+class Reservation:
+    tenant: str
+    tokens: float  # reserved at admission
+    at: float  # monotonic time it was made
+    in_window: float = 0.0  # what it counts for in the rate window: the reservation, then what was billed
+    settled: bool = False
+
+
+@dataclass
+class Budgets:
+    """The pod's leases and reservations. `counter(tenant)` is the tenant's counted tokens so far."""
+
+    counter: Callable[[str], float]
+    count: str = "total"
+    epoch: float = 0.0
+    leases: dict[str, Lease] = field(default_factory=dict)
+    starter: Lease = field(default_factory=Lease)  # for tenants the lease message does not list
+    leased: bool = False  # a lease message arrived: until then every request is refused
+    reserved: dict[str, float] = field(default_factory=dict)
+    window: dict[str, collections.deque[Reservation]] = field(default_factory=dict)
+    period_end: float = 0.0  # unix seconds: when a spent budget is renewed (x-ratelimit-reset-tokens)
+    on_refused: Callable[[str, str], None] = lambda tenant, code: None
+
+    def lease(self, tenant: str) -> Lease:
+        return self.leases.get(tenant, self.starter)
+
+    def reserve(self, tenant: str, tokens: float, now: float | None = None) -> Reservation:
+        """Reserve `tokens` for `tenant` or raise the OpenAI 429 (nothing reserved then)."""
+        now = time.monotonic() if now is None else now
+        if not self.leased:
+            self._refuse(tenant, RATE_CODE, "No token allowance has been granted to this replica yet; retry "
+                                            "shortly", limit=0, remaining=0, reset=1.0)
+        lease = self.lease(tenant)
+        reserved = self.reserved.get(tenant, 0.0)
+        if lease.allowance is not None:
+            remaining = lease.allowance - self.counter(tenant) - reserved
+            if tokens > remaining:
+                self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
+                             f"tokens reserved for it, {max(0.0, remaining):.0f} left here)",
+                             limit=lease.allowance, remaining=remaining,
+                             reset=max(1.0, self.period_end - time.time()) if self.period_end else 60.0)
+        reservation = Reservation(tenant, tokens, now, tokens)
+        if lease.tokens_per_minute is not None:
+            recent = self._recent(tenant, now)
+            used = sum(r.in_window for r in recent)
+            if used + tokens > lease.tokens_per_minute:
+                reset = (recent[0].at + WINDOW_SECONDS - now) if recent else WINDOW_SECONDS
+                self._refuse(tenant, RATE_CODE, f"Rate limit of {lease.tokens_per_minute:.0f} tokens per minute "
+                             f"reached here ({tokens:.0f} tokens reserved for this request)",
+                             limit=lease.tokens_per_minute, remaining=lease.tokens_per_minute - used,
+                             reset=max(1.0, reset))
+            recent.append(reservation)
+        self.reserved[tenant] = reserved + tokens
+        return reservation
+
+    def settle(self, reservation: Reservation, billed: float) -> None:
+        """The request ended (its usage already counted): return its reservation, and in the rate window
+        replace what it reserved by what it spent. Exactly once per reservation."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        left = self.reserved.get(reservation.tenant, 0.0) - reservation.tokens
+        if left > 0:
+            self.reserved[reservation.tenant] = left
+        else:
+            self.reserved.pop(reservation.tenant, None)
+        reservation.in_window = min(reservation.tokens, billed)
+
+    def remaining(self, tenant: str) -> float | None:
+        allowance = self.lease(tenant).allowance
+        if allowance is None:
+            return None
+        return max(0.0, allowance - self.counter(tenant) - self.reserved.get(tenant, 0.0))
+
+    def apply(self, message: Mapping[str, Any], epoch: float) -> None:
+        """A lease message from the operator (signature checked by the route): for this process's epoch
+        only; an allowance only ever rises within one epoch (a late message never takes back a newer one)."""
+        if message.get("epoch") != epoch:
+            raise ValueError("the leases are for another epoch of this pod's counters")
+        count = message.get("count", "total")
+        if count not in COUNTS:
+            raise ValueError(f"count must be one of {COUNTS}")
+        tenants = message.get("tenants") or {}
+        if not isinstance(tenants, Mapping):
+            raise ValueError("tenants must be an object")
+        leases = {str(name): _lease(raw) for name, raw in tenants.items()}
+        for name, lease in leases.items():
+            before = self.leases.get(name)
+            if before is not None and before.allowance is not None and lease.allowance is not None:
+                leases[name] = Lease(max(before.allowance, lease.allowance), lease.tokens_per_minute)
+        self.count, self.leases, self.starter = str(count), leases, _lease(message.get("starter") or {})
+        period_end = message.get("periodEnd")
+        self.period_end = float(period_end) if isinstance(period_end, int | float) else 0.0
+        self.leased = True
+
+    def _recent(self, tenant: str, now: float) -> collections.deque[Reservation]:
+        recent = self.window.setdefault(tenant, collections.deque())
+        while recent and recent[0].at <= now - WINDOW_SECONDS:
+            recent.popleft()
+        return recent
+
+    def _refuse(self, tenant: str, code: str, message: str, limit: float, remaining: float, reset: float) -> None:
+        self.on_refused(tenant, code)
+        headers = {"x-ratelimit-limit-tokens": str(int(limit)),
+                   "x-ratelimit-remaining-tokens": str(max(0, int(remaining))),
+                   "x-ratelimit-reset-tokens": duration(reset), "Retry-After": str(max(1, math.ceil(reset)))}
+        error = ApiError(429, message, code=code, headers=headers)
+        error.error_type = "insufficient_quota" if code == QUOTA_CODE else "requests"
+        raise error
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: `1s`, `6m0s`, `2h3m4s`."""
+    seconds = max(0, math.ceil(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def _lease(raw: object) -> Lease:
+    if not isinstance(raw, Mapping):
+        raise ValueError("a lease must be an object")
+    allowance, rate = raw.get("allowance"), raw.get("tokensPerMinute")
+    for value in (allowance, rate):
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0
+                                  or not math.isfinite(value)):
+            raise ValueError("allowance and tokensPerMinute must be non-negative numbers")
+    return Lease(None if allowance is None else float(allowance), None if rate is None else float(rate))
+
+
+def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, count: str) -> float:
+    """A request's worst case in counted tokens: each prompt once per choice, `max_tokens` per choice."""
+    prompt = sum(prompt_lengths) * n
+    completion = len(prompt_lengths) * n * max_tokens
+    return float({"total": prompt + completion, "completion": completion, "prompt": prompt}[count])

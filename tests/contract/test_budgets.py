@@ -1,0 +1,94 @@
+"""Token budgets on a real `tally-runtime serve` process: reserve at admission, settle to the engine's count.
+
+The leases are posted as the operator posts them (signed with its key); the requests are real ones to the
+CPU engine, concurrently, and what the tenant spent is summed from what its clients were told."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from runtime_harness import metric_value, runtime_process, until
+
+PROMPT = {"prompt": "Say something:", "max_tokens": 8, "ignore_eos": True}
+
+
+def post_leases(http: httpx.Client, key: Ed25519PrivateKey, tenants: dict[str, Any], **more: Any) -> httpx.Response:
+    epoch = metric_value(http.get("/metrics").text, "tally_start_time_seconds")
+    raw = json.dumps({"epoch": epoch, "count": "total", "tenants": tenants, **more}, sort_keys=True).encode()
+    return http.post("/internal/budgets", content=raw,
+                     headers={"X-Tally-Signature": base64.b64encode(key.sign(raw)).decode()})
+
+
+def public(key: Ed25519PrivateKey) -> str:
+    return base64.b64encode(key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
+
+
+def call(url: str, tenant: str, body: dict[str, Any]) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=120) as http:
+        return http.post("/v1/completions", json=body, headers={"X-Tally-Tenant": tenant})
+
+
+def test_exactly_the_requests_a_budget_covers_are_served_and_the_spend_is_the_engines(tmp_path: Path) -> None:
+    """100 concurrent requests of one tenant, a budget that covers 10: those 10 are served, 90 get the OpenAI
+    429 before anything is generated, the tenant's spend is what its clients were told and never more than
+    the budget; another tenant is unaffected; an aborted request returns what it did not use."""
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--max-concurrent-generations", "4") as (_, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        refused = call(url, "acme", PROMPT)
+        assert refused.status_code == 429 and refused.headers["retry-after"]  # no lease yet: nothing is spent
+        forged = http.post("/internal/budgets", json={"epoch": 1, "tenants": {"acme": {"allowance": 1e9}}})
+        assert forged.status_code == 403
+        assert post_leases(http, operator, {"probe": {"allowance": 1_000}}).status_code == 200
+        probe = call(url, "probe", PROMPT).json()["usage"]
+        cost = probe["prompt_tokens"] + probe["completion_tokens"]  # what each request reserves and bills
+        assert post_leases(http, operator, {"acme": {"allowance": 10 * cost}, "probe": {"allowance": 1_000}},
+                           starter={"allowance": 10 * cost}).status_code == 200
+
+        with concurrent.futures.ThreadPoolExecutor(100) as pool:
+            replies = list(pool.map(lambda _: call(url, "acme", PROMPT), range(100)))
+        served = [r for r in replies if r.status_code == 200]
+        refusals = [r for r in replies if r.status_code != 200]
+        assert len(served) == 10
+        assert {r.status_code for r in refusals} == {429}
+        error = refusals[0].json()["error"]
+        assert error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
+        assert refusals[0].headers["x-ratelimit-remaining-tokens"] == "0" and refusals[0].headers["retry-after"]
+        assert refusals[0].headers["x-ratelimit-limit-tokens"] == str(10 * cost)
+        spent = sum(r.json()["usage"]["total_tokens"] for r in served)
+        metrics = http.get("/metrics").text
+        booked = sum(metric_value(metrics, f"tally_tenant_{f}_total", {"tenant": "acme"})
+                     for f in ("prompt_tokens", "completion_tokens"))
+        assert spent == booked == 10 * cost  # the engine's count, never more than the budget
+        assert metric_value(metrics, "tally_requests_total", {"outcome": "over_budget"}) == 90
+        assert metric_value(metrics, "tally_budget_refusals_total",
+                            {"tenant": "acme", "code": "insufficient_quota"}) == 90
+        assert metric_value(metrics, "tally_budget_remaining_tokens", {"tenant": "acme"}) == 0
+        assert call(url, "zeta", PROMPT).status_code == 200  # a tenant not listed: the starter allowance
+
+        # An aborted stream returns the reservation it did not use
+        long = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        assert post_leases(http, operator, {"acme": {"allowance": 10 * cost + 400}}).status_code == 200
+        before = metric_value(http.get("/metrics").text, "tally_budget_remaining_tokens", {"tenant": "acme"})
+        with httpx.Client(base_url=url, timeout=60) as client, \
+                client.stream("POST", "/v1/completions", json=long, headers={"X-Tally-Tenant": "acme"}) as stream:
+            next(stream.iter_bytes())
+            during = metric_value(http.get("/metrics").text, "tally_budget_remaining_tokens", {"tenant": "acme"})
+
+        def back() -> bool:
+            text = http.get("/metrics").text
+            used = sum(metric_value(text, f"tally_tenant_{f}_total", {"tenant": "acme"})
+                       for f in ("prompt_tokens", "completion_tokens")) - 10 * cost
+            left = metric_value(text, "tally_budget_remaining_tokens", {"tenant": "acme"})
+            return left == before - used and 0 < used < 300
+
+        assert before == 400 and during < 400 - 300
+        assert until(back, 30), "the aborted stream's unused reservation did not come back"
