@@ -9,11 +9,13 @@ stale status is never the base of a write and a stale sample is never booked.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tally_operator import constants as c
+from tally_operator.budget import BudgetConfig, Planned, budgets_status, plan_budgets, state_from_status
 from tally_operator.conditions import Condition, Verdict, find, transitions
 from tally_operator.observations import Observations, advance, following
 from tally_operator.status import build_status, without_times
@@ -30,6 +32,9 @@ class Observed:
     fields: Mapping[str, Any]
     round: Round | None = None  # None: no scrape was due
     max_mismatch_ratio: float = 0.0
+    budgets: BudgetConfig | None = None
+    budgets_off: bool = False  # a valid spec without budgets: their status goes (never on an invalid spec's pass)
+    serving: frozenset[str] = frozenset()  # pods a lease may be sent to: ready and not terminating
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +45,14 @@ class Plan:
     observations: Observations  # to keep once the status is written
     booking: Booking | None = None
     verdict: Verdict | None = None
+    budgets: Planned | None = None  # the leases to send once the status holding them has landed
 
 
 def plan(previous: Mapping[str, Any], observations: Observations, observed: Observed, now: str) -> Plan:
     verdicts = list(observed.verdicts)
     fields = dict(observed.fields)
     booking, usage_verdict = None, None
+    budgets: Planned | None = None
     if observed.round is not None:
         ledger = ledger_from_status(previous.get("usage") or {})
         fresh = following(observations, ledger, persisted_verdict(previous))
@@ -54,10 +61,17 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
         usage_verdict, observations = judge(observations, observed.round, observed.max_mismatch_ratio)
         verdicts.append(usage_verdict)
         fields["usage"] = {**ledger_status(booking.ledger), **round_status(observed.round, now)}
+        if observed.budgets is not None:
+            budgets = plan_budgets(observed.budgets, ledger, booking.ledger,
+                                   state_from_status(previous.get("budgets") or {}), observed.serving,
+                                   datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC))
+            fields["budgets"] = budgets_status(budgets, observed.budgets)
     status = build_status(previous, verdicts, now, observed.generation, fields)
+    if observed.budgets_off:
+        status.pop("budgets", None)
     return Plan(status=status, changed=without_times(status) != without_times(previous),
                 transitions=transitions(previous.get("conditions") or [], status["conditions"]),
-                observations=observations, booking=booking, verdict=usage_verdict)
+                observations=observations, booking=booking, verdict=usage_verdict, budgets=budgets)
 
 
 def persisted_verdict(status: Mapping[str, Any]) -> Verdict | None:

@@ -81,6 +81,8 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
         # $(POD_NAME) is the pod's own name (downward API), expanded by the kubelet
         args += ["--usage-records-format", "cloudevents",
                  f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]
+    if spec.budgets is not None:
+        args.append("--budgets")
     if spec.api_keys_secret:
         args += ["--api-keys-file", c.API_KEYS_FILE]
         if spec.trust_tenant_header:

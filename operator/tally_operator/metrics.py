@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from tally_operator.budget import TenantView
 from tally_operator.samples import TENANT_FIELDS
 from tally_operator.usage import Ledger
 
@@ -93,6 +94,11 @@ class OperatorMetrics:
         self.last_scrape = Gauge(f"{PREFIX}_last_scrape_timestamp_seconds",
                                  "When the last scrape round of the service's pods was booked (unix seconds)", labels,
                                  registry=self.registry)
+        self.budget_remaining = Gauge(f"{PREFIX}_budget_remaining_tokens", "What the tenant may still spend this "
+                                      "period: its budget less its spend and what pods hold under leases",
+                                      [*labels, "tenant"], registry=self.registry)
+        self.budget_spent = Gauge(f"{PREFIX}_budget_spent_tokens", "What the tenant spent this period (as its budget "
+                                  "counts tokens)", [*labels, "tenant"], registry=self.registry)
         self.desired_replicas = Gauge(f"{PREFIX}_desired_replicas", "Pods autoscaling decided on", labels,
                                       registry=self.registry)
         self.scaling_signal = Gauge(f"{PREFIX}_autoscaling_signal",
@@ -110,6 +116,11 @@ class OperatorMetrics:
         self.pods_scraped.labels(namespace, name).set(scraped)
         self.scrape_failures.labels(namespace, name).inc(failed)
 
+    def budgets(self, namespace: str, name: str, tenants: Mapping[str, TenantView]) -> None:
+        for tenant, view in tenants.items():
+            self.budget_remaining.labels(namespace, name, tenant).set(view.remaining)
+            self.budget_spent.labels(namespace, name, tenant).set(view.spent)
+
     def workload(self, namespace: str, name: str, replicas: int, ready: int) -> None:
         self.replicas.labels(namespace, name).set(replicas)
         self.ready_replicas.labels(namespace, name).set(ready)
@@ -121,6 +132,9 @@ class OperatorMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         self.ledgers.forget(namespace, name)
+        for gauge in (self.budget_remaining, self.budget_spent):
+            for labels in [k for k in gauge._metrics if k[:2] == (namespace, name)]:
+                gauge.remove(*labels)
         for metric in (self.healthy, self.pods_scraped, self.scrape_failures,
                        self.replicas, self.ready_replicas, self.last_scrape, self.desired_replicas,
                        self.scaling_signal):

@@ -75,7 +75,7 @@ from tally_operator.usage import (
     pod_url,
     scrape_targets,
 )
-from tally_runtime.contract import FINAL_READ_PATH, FINAL_READ_SIGNATURE_HEADER
+from tally_runtime.contract import BUDGETS_PATH, FINAL_READ_PATH, FINAL_READ_SIGNATURE_HEADER
 
 log = logging.getLogger("tally_operator")
 MAX_WRITES = 5  # compare-and-swap attempts per pass before kopf retries the pass
@@ -196,7 +196,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
                                                         sum(map(is_ready, pods)), scraped.scaling.last_scale_time)
             more_verdicts.append(scaling_verdict(scraped.decision))
         return Observed(generation, more_verdicts, more_fields, scraped.round if scraped else None,
-                        spec.max_mismatch_ratio), scraped
+                        spec.max_mismatch_ratio, spec.budgets, spec.budgets is None,
+                        frozenset(serving_uids(pods))), scraped
 
     landed_round = await commit(ctx, body, memory, obj, observe)
     if landed_round is not None and landed_round.decision is not None:
@@ -381,7 +382,24 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
         post(body, "Warning", "TenantsFolded", f"{booking.folded} tenant(s) beyond the ledger's "
                                                f"{MAX_LEDGER_TENANTS} were booked to tenant 'other' (the totals "
                                                "are unaffected)")
+    if planned.budgets is not None:
+        for tenant, mark in planned.budgets.crossed:
+            post(body, "Warning" if mark >= 1 else "Normal", "BudgetExhausted" if mark >= 1 else "BudgetWarning",
+                 f"Tenant {tenant} has spent {mark:.0%} of its budget for {planned.budgets.state.period}")
+        ctx.metrics.budgets(meta["namespace"], meta["name"], planned.budgets.tenants)
+        await send_leases(ctx, scraped, planned.budgets.messages)
     await acknowledge_final(ctx, scraped)
+
+
+async def send_leases(ctx: Context, scraped: Scraped, messages: Mapping[str, Mapping[str, Any]]) -> None:
+    """Tell each serving pod its leases (written into the status first: a restarted operator knows them)."""
+    calls = {uid: signed(ctx.signer, scraped.urls[uid] + BUDGETS_PATH, message)
+             for uid, message in messages.items() if uid in scraped.urls}
+    if calls:
+        results = await post_all(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
+        for uid, result in results.items():
+            if result != 200:
+                log.info("The leases for pod %s were not taken: %r", uid, result)
 
 
 async def acknowledge_final(ctx: Context, scraped: Scraped) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally_operator.autoscale import KV_CACHE, METRICS, SGLANG_QUEUE, Autoscaling
+from tally_operator.budget import BudgetConfig, TenantBudget
 from tally_runtime.contract import OWNED_ENGINE_ARGS, engine_args_pattern
 
 
@@ -57,6 +58,7 @@ class Spec:
     api_keys_secret: str = ""  # a Secret of the service's namespace holding its API keys (auth.py's format)
     api_keys_key: str = "api-keys"  # the key of that Secret
     trust_tenant_header: bool = False
+    budgets: BudgetConfig | None = None  # per-tenant token budgets and rate limits (budget.py)
 
 
 def parse_spec(raw: Mapping[str, Any]) -> Spec:
@@ -104,6 +106,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         api_keys_secret=str(keys.get("name") or ""),
         api_keys_key=str(keys.get("key") or "api-keys"),
         trust_tenant_header=bool(auth.get("trustTenantHeader", False)),
+        budgets=parse_budgets(raw.get("budgets")),
     )
     check(spec)
     return spec
@@ -210,3 +213,41 @@ def check(spec: Spec) -> None:
                         f"({spec.tensor_parallel_size})")
     if spec.engine_kind == "sglang" and not spec.model_path:
         raise SpecError("InvalidSpec", "spec.model.path is required with the sglang engine")
+
+
+MAX_BUDGET_TENANTS = 100  # as the CRD says
+
+
+def parse_budgets(raw: Any) -> BudgetConfig | None:
+    """spec.budgets (the schema checked the shapes; this checks what it cannot, for a spec read without it)."""
+    if not raw:
+        return None
+    if not isinstance(raw, Mapping):
+        raise SpecError("InvalidSpec", "spec.budgets must be an object")
+
+    def one(item: Any, where: str) -> TenantBudget:
+        if not isinstance(item, Mapping):
+            raise SpecError("InvalidSpec", f"{where} must be an object")
+        values = []
+        for key in ("monthlyTokens", "tokensPerMinute"):
+            value = item.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                                      or value > 2**53):
+                raise SpecError("InvalidSpec", f"{where}.{key} must be a whole number of tokens, 0 to 2^53")
+            values.append(value)
+        return TenantBudget(values[0], values[1])
+
+    count = raw.get("count", "total")
+    if count not in ("total", "completion", "prompt"):
+        raise SpecError("InvalidSpec", "spec.budgets.count must be total, completion or prompt")
+    tenants: dict[str, TenantBudget] = {}
+    listed = raw.get("tenants") or []
+    if not isinstance(listed, list) or len(listed) > MAX_BUDGET_TENANTS:
+        raise SpecError("InvalidSpec", f"spec.budgets.tenants must be a list of at most {MAX_BUDGET_TENANTS}")
+    for i, item in enumerate(listed):
+        name = item.get("name") if isinstance(item, Mapping) else None
+        if not isinstance(name, str) or not name or name in tenants:
+            raise SpecError("InvalidSpec", f"spec.budgets.tenants[{i}].name must be a tenant named once")
+        tenants[name] = one(item, f"spec.budgets.tenants[{i}]")
+    default = one(raw["default"], "spec.budgets.default") if raw.get("default") is not None else None
+    return BudgetConfig(str(count), default, tenants)

@@ -103,13 +103,13 @@ def invalid_verdicts(error: SpecError) -> list[Verdict]:
 
 def build_status(previous: Mapping[str, Any], verdicts: Sequence[Verdict], now: str, generation: int,
                  fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The whole new status: previous usage kept, given fields set, conditions updated in place."""
+    """The whole new status: previous usage and budgets kept, given fields set, conditions updated in place."""
     conditions: list[Condition] = list(previous.get("conditions") or [])
     for verdict in verdicts:
         conditions = set_condition(conditions, verdict, now, generation)
     order = {c.READY: 0, c.PROGRESSING: 1, c.DEGRADED: 2, c.USAGE_HEALTHY: 3}
     conditions.sort(key=lambda cond: order.get(cond["type"], 9))
-    status: dict[str, Any] = {k: v for k, v in previous.items() if k == "usage"}
+    status: dict[str, Any] = {k: v for k, v in previous.items() if k in ("usage", "budgets")}
     status.update(fields)
     status["observedGeneration"] = generation
     status["conditions"] = conditions

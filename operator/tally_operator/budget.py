@@ -1,0 +1,250 @@
+"""PURE: per-tenant token budgets across a service's pods: what each pod may spend (its lease), so that the
+sum of what all pods spend never exceeds a tenant's budget for the period.
+
+Budgets are counted from the ledger (usage.py), a calendar month in UTC at a time: a tenant's spend this
+period is its ledger total now minus its total when the period began. A pod's lease for a tenant is an
+allowance on the pod's own counter for that tenant (counted tokens under its epoch, the counter the ledger
+books): the runtime admits a request only if the counter, what its requests in flight reserved, and the
+request's worst case stay within the allowance (tally_runtime/budgets.py). So what a pod may still spend
+beyond its last reading is at most `allowance - reading`, and the operator keeps, per tenant,
+
+    spent this period + what every pod may still spend + what ended pods may have spent unread <= budget
+
+by granting only what is free under that bound, and never lowering an allowance it granted (a pod may have
+spent up to it since it was read). Leases are written into the status in the same compare-and-swap as the
+ledger, before any pod is told of them, so a restarted operator or a peer accounts for every lease that may
+be in use. A pod whose counters began again (a new epoch), or that ended without a final reading, may have
+spent its whole outstanding lease unread: that is counted against the budget (`lost`) for the period.
+
+Tenants not named anywhere get a small starter allowance on each pod (the default budget shared among the
+pods, at most half of it in all): a tenant must be served once before the ledger knows it. Rate limits are
+per pod: each gets an equal share of a tenant's tokens per minute.
+"""
+
+from __future__ import annotations
+
+import calendar
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tally_operator.samples import Counters
+
+if TYPE_CHECKING:  # usage.py -> status.py -> spec.py imports this module
+    from tally_operator.usage import Ledger, Reading
+
+WARN_AT = 0.8  # an Event when a tenant's spend crosses this share of its budget, and at 100 %
+
+
+@dataclass(frozen=True, slots=True)
+class TenantBudget:
+    monthly_tokens: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetConfig:
+    count: str = "total"  # total | completion | prompt: which tokens count
+    default: TenantBudget | None = None  # for tenants not listed
+    tenants: Mapping[str, TenantBudget] = field(default_factory=dict)
+
+    def of(self, tenant: str) -> TenantBudget | None:
+        return self.tenants.get(tenant, self.default)
+
+
+@dataclass(frozen=True, slots=True)
+class PodLease:
+    epoch: float
+    allowances: Mapping[str, int]  # tenant -> allowance on the pod's counter
+    starter: int | None = None  # the largest starter allowance granted under this epoch (None: none)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    """`status.budgets` as data."""
+
+    period: str = ""  # YYYY-MM (UTC)
+    start: Mapping[str, int] = field(default_factory=dict)  # tenant -> counted ledger total when the period began
+    lost: Mapping[str, int] = field(default_factory=dict)  # tenant -> leases that ended unread this period
+    leases: Mapping[str, PodLease] = field(default_factory=dict)  # pod uid -> its lease
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    budget: int
+    spent: int
+    reserved: int  # what pods may still spend under their leases (and ended pods may have, unread)
+    remaining: int
+    tokens_per_minute: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    state: BudgetState
+    tenants: Mapping[str, TenantView]
+    messages: Mapping[str, dict[str, object]]  # pod uid -> the lease message to post (after the write lands)
+    crossed: tuple[tuple[str, float], ...] = ()  # (tenant, threshold) crossed by this round
+
+
+def counted(counters: Counters | None, count: str) -> int:
+    if counters is None:
+        return 0
+    prompt, completion = int(counters.prompt_tokens), int(counters.completion_tokens)
+    return {"total": prompt + completion, "completion": completion, "prompt": prompt}[count]
+
+
+def period_of(now: datetime.datetime) -> tuple[str, float]:
+    """The UTC calendar month `now` is in, and when it ends (unix seconds)."""
+    last_day = calendar.monthrange(now.year, now.month)[1]
+    end = datetime.datetime(now.year, now.month, last_day, tzinfo=datetime.UTC) + datetime.timedelta(days=1)
+    return f"{now.year:04d}-{now.month:02d}", end.timestamp()
+
+
+def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
+                 serving: frozenset[str], now: datetime.datetime) -> Planned:
+    """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
+    period, period_end = period_of(now)
+    start, lost = dict(state.start), dict(state.lost)
+    if state.period != period:  # a new month: spend counts from here; leases still out count against it
+        start = {t: counted(c, config.count) for t, c in after.tenants.items()}
+        lost = {}
+    budgeted = sorted(set(config.tenants) | (set(after.tenants) if config.default is not None else set()))
+    leases = dict(state.leases)
+    # Leases of pods that left the ledger or began again: what they may have spent unread is lost for the period
+    for uid, lease in sorted(state.leases.items()):
+        reading = after.readings.get(uid)
+        if reading is not None and reading.epoch == lease.epoch:
+            continue
+        last = before.readings.get(uid)
+        if reading is None and last is not None and last.final and last.epoch == lease.epoch:
+            del leases[uid]  # ended with its final counters read: nothing spent unread
+            continue
+        for tenant in budgeted:
+            unread = _outstanding(lease, last if last is not None and last.epoch == lease.epoch else None,
+                                  tenant, config.count)
+            if unread:
+                lost[tenant] = lost.get(tenant, 0) + unread
+        del leases[uid]
+    views: dict[str, TenantView] = {}
+    grants: dict[str, dict[str, int]] = {uid: {} for uid in serving if uid in after.readings}
+    for tenant in budgeted:
+        budget = config.of(tenant)
+        if budget is None or budget.monthly_tokens is None:
+            continue
+        spent = max(0, counted(after.tenants.get(tenant), config.count) - start.get(tenant, 0))
+        outstanding = {uid: _outstanding(lease, after.readings.get(uid), tenant, config.count)
+                       for uid, lease in leases.items()}
+        held = sum(outstanding.values()) + lost.get(tenant, 0)
+        free = budget.monthly_tokens - spent - held
+        share = free // len(grants) if grants and free > 0 else 0
+        cap = budget.monthly_tokens // max(1, len(grants))  # an idle pod holds at most its share of the budget
+        for uid in sorted(grants):
+            reading = after.readings[uid]
+            have = outstanding.get(uid, 0)
+            more = min(share, max(0, cap - have))
+            base = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
+            granted = _allowance(leases.get(uid), reading, tenant, config.count)
+            grants[uid][tenant] = max(granted, base + have + more)
+            held += more
+        views[tenant] = TenantView(budget.monthly_tokens, spent, held, max(0, budget.monthly_tokens - spent - held),
+                                   budget.tokens_per_minute)
+    starter = _starter(config, grants, leases)
+    messages: dict[str, dict[str, object]] = {}
+    for uid, allowances in grants.items():
+        reading = after.readings[uid]
+        assert reading.epoch is not None
+        previous = leases.get(uid)
+        kept = previous.starter if previous is not None and previous.epoch == reading.epoch else None
+        leases[uid] = PodLease(reading.epoch, allowances, max(kept or 0, starter) if starter is not None else kept)
+        messages[uid] = _message(uid, reading.epoch, config, allowances, starter, len(grants), period_end)
+    crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
+                    if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
+    return Planned(BudgetState(period, start, lost, leases), views, messages, crossed)
+
+
+def _allowance(lease: PodLease | None, reading: Reading | None, tenant: str, count: str) -> int:
+    """What the pod may spend up to, as granted under the reading's epoch (0: nothing granted)."""
+    if lease is None or reading is None or lease.epoch != reading.epoch:
+        return 0
+    if tenant in lease.allowances:
+        return lease.allowances[tenant]
+    return lease.starter or 0
+
+
+def _outstanding(lease: PodLease, reading: Reading | None, tenant: str, count: str) -> int:
+    """What the pod may still spend for `tenant` beyond its reading (its whole lease without a reading)."""
+    allowance = lease.allowances.get(tenant, lease.starter or 0)
+    if reading is None:
+        return allowance
+    if reading.epoch != lease.epoch:
+        return 0
+    used = counted(reading.tenants.get(tenant) if reading.tenants else None, count)
+    return max(0, allowance - used)
+
+
+def _starter(config: BudgetConfig, grants: Mapping[str, object], leases: Mapping[str, PodLease]) -> int | None:
+    """The allowance of a tenant not listed (None: unlimited, there is no default budget)."""
+    if config.default is None or config.default.monthly_tokens is None:
+        return None
+    return config.default.monthly_tokens // (2 * max(1, len(grants), len(leases)))
+
+
+def _message(uid: str, epoch: float, config: BudgetConfig, allowances: Mapping[str, int], starter: int | None,
+             pods: int, period_end: float) -> dict[str, object]:
+    def rate(tenant: str | None) -> int | None:
+        budget = config.of(tenant) if tenant is not None else config.default
+        return None if budget is None or budget.tokens_per_minute is None else budget.tokens_per_minute // pods
+
+    tenants: dict[str, dict[str, int | None]] = {}
+    for tenant in sorted(set(allowances) | set(config.tenants)):
+        tenants[tenant] = {"allowance": allowances.get(tenant), "tokensPerMinute": rate(tenant)}
+    return {"podUid": uid, "epoch": epoch, "count": config.count, "periodEnd": period_end, "tenants": tenants,
+            "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
+
+
+def _spent_before(state: BudgetState, before: Ledger, tenant: str, config: BudgetConfig) -> int:
+    if not state.period:
+        return 0
+    return max(0, counted(before.tenants.get(tenant), config.count) - state.start.get(tenant, 0))
+
+
+def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
+    """`status.budgets`: what each tenant has left, and the leases and period totals they stand on."""
+    state = planned.state
+    return {
+        "period": state.period, "count": config.count,
+        "tenants": {t: {"budget": v.budget, "spent": v.spent, "reserved": v.reserved, "remaining": v.remaining,
+                        **({"tokensPerMinute": v.tokens_per_minute} if v.tokens_per_minute is not None else {})}
+                    for t, v in sorted(planned.tenants.items())},
+        "periodStart": dict(sorted(state.start.items())),
+        "lost": dict(sorted(state.lost.items())),
+        "leases": [{"uid": uid, "epoch": lease.epoch, "tenants": dict(sorted(lease.allowances.items())),
+                    **({"starter": lease.starter} if lease.starter is not None else {})}
+                   for uid, lease in sorted(state.leases.items())],
+    }
+
+
+def state_from_status(raw: Mapping[str, object]) -> BudgetState:
+    """The budgets as the last status write left them (anything malformed reads as absent: refusing is then
+    the runtime's default, as no lease is granted from nothing)."""
+    def counts(value: object) -> dict[str, int]:
+        if not isinstance(value, Mapping):
+            return {}
+        return {str(k): v for k, v in list(value.items())[:MAX_ENTRIES]
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+
+    leases: dict[str, PodLease] = {}
+    raw_leases = raw.get("leases")
+    for item in raw_leases[:MAX_ENTRIES] if isinstance(raw_leases, list) else []:
+        if isinstance(item, Mapping) and isinstance(item.get("uid"), str) and \
+                isinstance(item.get("epoch"), int | float) and not isinstance(item.get("epoch"), bool):
+            starter = item.get("starter")
+            leases[str(item["uid"])] = PodLease(float(item["epoch"]), counts(item.get("tenants")),
+                                                starter if isinstance(starter, int) and starter >= 0 else None)
+    period = raw.get("period")
+    return BudgetState(period if isinstance(period, str) else "", counts(raw.get("periodStart")),
+                       counts(raw.get("lost")), leases)
+
+
+MAX_ENTRIES = 2000  # tenants or leases read from a status (the ledger keeps 1,001 tenants)
