@@ -1,0 +1,92 @@
+"""Token budgets on the real node: two pods share one tenant's monthly budget under the operator's leases.
+Its concurrent requests, spread over both pods, never spend more than the budget in total; another tenant is
+unaffected; a pod deleted mid-stream settles what it served in the ledger."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import httpx
+import pytest
+from kube_harness import Kubectl, eventually, in_cluster
+from operator_harness import ChartOperator
+from runtime_harness import sse_payloads
+from usage_harness import MODEL, healthy, live_pods, service, serving_pods, status
+
+pytestmark = pytest.mark.e2e
+BUDGET = 900
+
+
+def call(ip: str, tenant: str, max_tokens: int = 8) -> httpx.Response:
+    with in_cluster(120) as http:
+        return http.post(f"http://{ip}:8000/v1/completions", headers={"X-Tally-Tenant": tenant},
+                         json={"model": MODEL, "prompt": "Tell me a joke", "max_tokens": max_tokens,
+                               "ignore_eos": True})
+
+
+def spent(replies: list[httpx.Response]) -> int:
+    return sum(r.json()["usage"]["total_tokens"] for r in replies if r.status_code == 200)
+
+
+def test_a_tenants_requests_over_two_pods_never_spend_more_than_its_budget(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    manifest = service(replicas=2)
+    manifest["spec"]["budgets"] = {"tenants": [{"name": "acme", "monthlyTokens": BUDGET}]}
+    kube.apply(manifest)
+    pods = serving_pods(kube, 2)
+    ips = [p["status"]["podIP"] for p in pods]
+    # Until the operator's first lease reaches a pod, it serves nobody (Retry-After: 1)
+    for ip in ips:
+        eventually(lambda ip=ip: call(ip, "zeta").status_code == 200, 60, interval=1, what=f"a lease on {ip}")
+    served: list[httpx.Response] = []
+
+    # A stream of acme's in flight when its pod is deleted: it finishes, and the pod's final read books it
+    body = {"model": MODEL, "prompt": "Write a long story:", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with in_cluster(120) as http, http.stream("POST", f"http://{ips[0]}:8000/v1/completions", json=body,
+                                              headers={"X-Tally-Tenant": "acme"}) as response:
+        chunks = iter(response.iter_bytes())
+        received = [next(chunks)]
+        kube("delete", "pod", pods[0]["metadata"]["name"], "--wait=false")
+        received.extend(chunks)
+    streamed = sse_payloads(b"".join(received))[-2]["usage"]["total_tokens"]
+    gone = pods[0]["metadata"]["uid"]
+
+    def replaced() -> list[dict[str, Any]]:
+        now = [p for p in live_pods(kube) if healthy(p["status"]["podIP"])]
+        return now if len(now) == 2 and all(p["metadata"]["uid"] != gone for p in now) else []
+
+    pods = eventually(replaced, 180, interval=1, what="a replacement pod serving")
+    ips = [p["status"]["podIP"] for p in pods]
+    for ip in ips:
+        eventually(lambda ip=ip: call(ip, "zeta").status_code == 200, 60, interval=1, what=f"a lease on {ip}")
+
+    # acme's bursts over both pods, until the budget is spent; zeta's requests meanwhile
+    others: list[httpx.Response] = []
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        for _ in range(12):
+            burst = [pool.submit(call, ips[i % 2], "acme") for i in range(20)]
+            zeta = [pool.submit(call, ips[i % 2], "zeta") for i in range(2)]
+            served += [f.result() for f in burst]
+            others += [f.result() for f in zeta]
+            if all(r.status_code == 429 for r in served[-20:]):
+                break
+    refused = [r for r in served if r.status_code != 200]
+    assert refused and {r.status_code for r in refused} == {429}
+    assert {r.json()["error"]["code"] for r in refused} <= {"insufficient_quota", "rate_limit_exceeded"}
+    assert all(r.status_code == 200 for r in others)  # another tenant is unaffected
+    total = streamed + spent(served)
+    assert total <= BUDGET
+
+    def booked() -> dict[str, Any]:
+        now = status(kube)
+        acme = (now.get("usage") or {}).get("tenants", {}).get("acme", {})
+        budgets = (now.get("budgets") or {}).get("tenants", {}).get("acme", {})
+        return now if acme.get("promptTokens", 0) + acme.get("completionTokens", 0) == total \
+            and budgets.get("spent") == total else {}
+
+    now = eventually(booked, 60, interval=1, what=f"acme's {total} tokens in the ledger and its budget")
+    view = now["budgets"]["tenants"]["acme"]
+    assert view["budget"] == BUDGET and view["spent"] + view["reserved"] + view["remaining"] == BUDGET
+    assert total > BUDGET // 2  # the budget was usable, not only held
