@@ -55,6 +55,7 @@ bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/READM
 	$(PY) benchmarks/usage_truth.py --streams 16 --tokens 4
 	$(PY) benchmarks/operator_scale.py --services 0 --pods 50
 	$(PY) benchmarks/journal.py --streams 1 --tokens 1 --requests 100 --repeats 1
+	$(PY) benchmarks/budgets.py --streams 1 --tokens 1 --requests 100 --repeats 1
 	$(PY) benchmarks/autoscaling.py
 
 up: bins images  ## the local cluster alone

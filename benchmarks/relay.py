@@ -106,15 +106,15 @@ def pydantic_app() -> Any:
     return app
 
 
-def tally_app(journal_path: str = "", records_file: str = "", api_keys_file: str = "") -> Any:
-    """The runtime; per-request bookkeeping (journal, usage records, API keys) only where benchmarks/journal.py
-    asks."""
+def tally_app(journal_path: str = "", records_file: str = "", api_keys_file: str = "", budgets: bool = False) -> Any:
+    """The runtime; per-request bookkeeping (journal, usage records, API keys, budgets) only where
+    benchmarks/journal.py or benchmarks/budgets.py asks."""
     from tally_runtime.app import create_app
     from tally_runtime.settings import Settings
 
     return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m", journal_path=journal_path,
-                               usage_records=False, usage_records_file=records_file, api_keys_file=api_keys_file),
-                      FastEngine())
+                               usage_records=False, usage_records_file=records_file, api_keys_file=api_keys_file,
+                               budgets=budgets), FastEngine())
 
 
 def sglang_app() -> Any:
@@ -140,6 +140,7 @@ def serve(kind: str, port: int, stack: str) -> None:
             "tally-journal": lambda: tally_app(journal_path=os.environ["TALLY_BENCH_JOURNAL"]),
             "tally-records": lambda: tally_app(records_file=os.environ["TALLY_BENCH_RECORDS"]),
             "tally-keys": lambda: tally_app(api_keys_file=os.environ["TALLY_BENCH_KEYS"]),
+            "tally-budgets": lambda: tally_app(budgets=True),  # leases posted by benchmarks/budgets.py
             "tally-sglang": sglang_app}
     app = apps[kind]()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **STACKS[stack])
