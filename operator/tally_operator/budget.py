@@ -16,9 +16,9 @@ ledger, before any pod is told of them, so a restarted operator or a peer accoun
 be in use. A pod whose counters began again (a new epoch), or that ended without a final reading, may have
 spent its whole outstanding lease unread: that is counted against the budget (`lost`) for the period.
 
-Tenants not named anywhere get a small starter allowance on each pod (the default budget shared among the
-pods, at most half of it in all): a tenant must be served once before the ledger knows it. Rate limits are
-per pod: each gets an equal share of a tenant's tokens per minute.
+With a default budget, a tenant the ledger does not know yet has spent nothing: a pod refuses it and asks
+for it (`wanted`, from the pod's /metrics), and the next round leases it like any other. Rate limits are per
+pod: each gets an equal share of a tenant's tokens per minute.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class BudgetConfig:
 class PodLease:
     epoch: float
     allowances: Mapping[str, int]  # tenant -> allowance on the pod's counter
-    starter: int | None = None  # the largest starter allowance granted under this epoch (None: none)
+    starter: int | None = None  # the allowance of a tenant not listed: 0 (it asks for a lease), None (unlimited)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +102,15 @@ def period_of(now: datetime.datetime) -> tuple[str, float]:
 
 
 def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
-                 serving: frozenset[str], now: datetime.datetime) -> Planned:
+                 serving: frozenset[str], now: datetime.datetime, wanted: frozenset[str] = frozenset()) -> Planned:
     """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
     period, period_end = period_of(now)
     start, lost = dict(state.start), dict(state.lost)
     if state.period != period:  # a new month: spend counts from here; leases still out count against it
         start = {t: counted(c, config.count) for t, c in after.tenants.items()}
         lost = {}
-    budgeted = sorted(set(config.tenants) | (set(after.tenants) if config.default is not None else set()))
+    known = set(after.tenants) | set(wanted) | {t for lease in state.leases.values() for t in lease.allowances}
+    budgeted = sorted(set(config.tenants) | (known if config.default is not None else set()))[:MAX_ENTRIES]
     leases = dict(state.leases)
     # Leases of pods that left the ledger or began again: what they may have spent unread is lost for the period
     for uid, lease in sorted(state.leases.items()):
@@ -144,26 +145,24 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
             have = outstanding.get(uid, 0)
             more = min(share, max(0, cap - have))
             base = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
-            granted = _allowance(leases.get(uid), reading, tenant, config.count)
+            granted = _allowance(leases.get(uid), reading, tenant)
             grants[uid][tenant] = max(granted, base + have + more)
             held += more
         views[tenant] = TenantView(budget.monthly_tokens, spent, held, max(0, budget.monthly_tokens - spent - held),
                                    budget.tokens_per_minute)
-    starter = _starter(config, grants, leases)
+    starter = 0 if config.default is not None else None  # a tenant not listed asks for a lease
     messages: dict[str, dict[str, object]] = {}
     for uid, allowances in grants.items():
         reading = after.readings[uid]
         assert reading.epoch is not None
-        previous = leases.get(uid)
-        kept = previous.starter if previous is not None and previous.epoch == reading.epoch else None
-        leases[uid] = PodLease(reading.epoch, allowances, max(kept or 0, starter) if starter is not None else kept)
+        leases[uid] = PodLease(reading.epoch, allowances, starter)
         messages[uid] = _message(uid, reading.epoch, config, allowances, starter, len(grants), period_end)
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
                     if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
     return Planned(BudgetState(period, start, lost, leases), views, messages, crossed)
 
 
-def _allowance(lease: PodLease | None, reading: Reading | None, tenant: str, count: str) -> int:
+def _allowance(lease: PodLease | None, reading: Reading | None, tenant: str) -> int:
     """What the pod may spend up to, as granted under the reading's epoch (0: nothing granted)."""
     if lease is None or reading is None or lease.epoch != reading.epoch:
         return 0
@@ -181,13 +180,6 @@ def _outstanding(lease: PodLease, reading: Reading | None, tenant: str, count: s
         return 0
     used = counted(reading.tenants.get(tenant) if reading.tenants else None, count)
     return max(0, allowance - used)
-
-
-def _starter(config: BudgetConfig, grants: Mapping[str, object], leases: Mapping[str, PodLease]) -> int | None:
-    """The allowance of a tenant not listed (None: unlimited, there is no default budget)."""
-    if config.default is None or config.default.monthly_tokens is None:
-        return None
-    return config.default.monthly_tokens // (2 * max(1, len(grants), len(leases)))
 
 
 def _message(uid: str, epoch: float, config: BudgetConfig, allowances: Mapping[str, int], starter: int | None,

@@ -66,6 +66,7 @@ class PodSample:
     all_requests: float = 0.0  # requests of every outcome, refused ones included (the final-read handshake)
     pod_uid: str = ""  # the pod the runtime says it is (downward API)
     load: Mapping[str, float] = field(default_factory=dict)  # autoscaling signals: gauge name -> value
+    wanted: frozenset[str] = frozenset()  # tenants refused for want of a lease (budget.py grants them one)
 
     def acknowledgement(self) -> dict[str, float]:
         """The final counters as the runtime's final-read handshake expects them back (drain.py)."""
@@ -95,7 +96,7 @@ _TENANT_NAMES = {
     contract.sample_name(contract.TENANT_CACHED_TOKENS): "cached_tokens",
 }
 _READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO,
-         contract.DRAINING}
+         contract.DRAINING, contract.BUDGET_WANTED}
 
 
 MAX_LOAD = 1e9  # no pod queues or runs this many requests: a larger gauge is not to be scaled on
@@ -118,6 +119,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     gauges: dict[str, float] = {}
     tenants: dict[str, dict[str, float]] = {}
     all_requests = 0.0
+    wanted: set[str] = set()
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -142,6 +144,9 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                     pod_uid = sample.labels.get("pod_uid", "")
                 elif sample.name in _FINAL_GAUGES or sample.name in _LOAD_GAUGES:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
+                elif sample.name == contract.BUDGET_WANTED:
+                    if sample.value > 0:
+                        wanted.add(sample.labels.get("tenant", ""))
                 elif sample.name in _TENANT_NAMES:
                     tenant = tenants.setdefault(sample.labels.get("tenant", ""), {})
                     tenant[_TENANT_NAMES[sample.name]] = sample.value
@@ -161,6 +166,8 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
     final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
         and not gauges.get(contract.QUEUED_REQUESTS)
+    if len(wanted) > MAX_TENANTS_PER_POD:
+        raise MetricsParseError(f"{len(wanted)} tenants asking for a lease: more than {MAX_TENANTS_PER_POD}")
     if len(tenants) > MAX_TENANTS_PER_POD + 1:
         raise MetricsParseError(f"{len(tenants)} tenants: more than the {MAX_TENANTS_PER_POD} a pod may report")
     per_tenant = {t: Counters(**counts) for t, counts in tenants.items()}
@@ -174,7 +181,8 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     for name, value in load.items():  # summed over label sets: each was finite, the sum may not be
         if not value <= MAX_LOAD:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
-    return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load)
+    return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load,
+                     frozenset(wanted))
 
 
 def _check(name: str, value: float, count: bool) -> None:

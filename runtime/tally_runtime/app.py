@@ -142,7 +142,7 @@ def _no_exit() -> None:
     log.warning("Drained, but this app was given no way to stop its server")
 
 
-METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH})
+METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH})
 
 
 class OnlyItsPort:

@@ -11,9 +11,11 @@ ends, its reservation is settled: the counter has grown by what the engine bille
 than was reserved), and the reservation is returned. So a pod never spends past its lease, and the
 operator keeps the leases of all pods within the tenant's budget.
 
-A tenant with no lease: spends nothing while budgets are on (the operator's first lease arrives within a
-scrape interval of the pod serving), unless the lease message names a starter allowance for tenants it does
-not list (tenants that spent nothing this period). The state lives on the event loop only.
+Before the operator's first lease message a pod serves nobody (429, Retry-After: 1). A tenant the message
+does not list is unlimited when the service has no default budget; with one, its request is refused and the
+tenant is asked for: `tally_budget_wanted_tokens{tenant}` on /metrics, which the operator reads with the
+counters and answers with a lease in its next round (the client's retry, after Retry-After, then fits). The
+state lives on the event loop only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from tally_runtime.protocol import ApiError
 
 WINDOW_SECONDS = 60.0
+MAX_WANTED = 1000  # tenants asked for at once (the operator reads at most this many per pod)
 COUNTS = ("total", "completion", "prompt")
 QUOTA_CODE = "insufficient_quota"
 RATE_CODE = "rate_limit_exceeded"
@@ -57,6 +60,7 @@ class Budgets:
     epoch: float = 0.0
     leases: dict[str, Lease] = field(default_factory=dict)
     starter: Lease = field(default_factory=Lease)  # for tenants the lease message does not list
+    wanted: dict[str, float] = field(default_factory=dict)  # unlisted tenants refused: leases to ask for
     leased: bool = False  # a lease message arrived: until then every request is refused
     reserved: dict[str, float] = field(default_factory=dict)
     window: dict[str, collections.deque[Reservation]] = field(default_factory=dict)
@@ -76,6 +80,11 @@ class Budgets:
         reserved = self.reserved.get(tenant, 0.0)
         if lease.allowance is not None:
             remaining = lease.allowance - self.counter(tenant) - reserved
+            if tokens > remaining and tenant not in self.leases:  # asked for: the next round leases it
+                if len(self.wanted) < MAX_WANTED or tenant in self.wanted:
+                    self.wanted[tenant] = max(self.wanted.get(tenant, 0.0), tokens)
+                self._refuse(tenant, RATE_CODE, "No token allowance for this tenant on this replica yet; it is "
+                             "asked for: retry shortly", limit=0, remaining=0, reset=1.0)
             if tokens > remaining:
                 self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
                              f"tokens reserved for it, {max(0.0, remaining):.0f} left here)",
@@ -131,6 +140,7 @@ class Budgets:
             if before is not None and before.allowance is not None and lease.allowance is not None:
                 leases[name] = Lease(max(before.allowance, lease.allowance), lease.tokens_per_minute)
         self.count, self.leases, self.starter = str(count), leases, _lease(message.get("starter") or {})
+        self.wanted = {t: v for t, v in self.wanted.items() if t not in leases}
         period_end = message.get("periodEnd")
         self.period_end = float(period_end) if isinstance(period_end, int | float) else 0.0
         self.leased = True

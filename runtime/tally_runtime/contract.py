@@ -32,6 +32,7 @@ JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter jour
 RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not written whole (stdout, file)
 STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading
 BUDGET_REMAINING = f"{PREFIX}_budget_remaining_tokens"  # gauge{tenant}: what this pod's lease leaves the tenant
+BUDGET_WANTED = f"{PREFIX}_budget_wanted_tokens"  # gauge{tenant}: refused for want of a lease: asks for one
 BUDGET_REFUSALS = f"{PREFIX}_budget_refusals"  # counter{tenant,code}: 429s, insufficient_quota or rate_limit_exceeded
 CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its cap) or client (before auth)
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every

@@ -65,6 +65,8 @@ class Metrics:
                                            registry=r)
         self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "
                                       "under its lease (counted as the budget counts them)", ["tenant"], registry=r)
+        self.budget_wanted = Gauge(contract.BUDGET_WANTED, "Tenants refused for want of a lease: the operator grants "
+                                   "one in its next round", ["tenant"], registry=r)
         self.budget_refusals = Counter(contract.BUDGET_REFUSALS, "Requests refused with 429 for the tenant's budget "
                                        "or rate", ["tenant", "code"], registry=r)
         self.streams_stalled = Counter(contract.STALLED_STREAMS,

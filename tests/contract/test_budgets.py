@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from runtime_harness import metric_value, runtime_process, until
+from runtime_harness import free_port, metric_value, runtime_process, until
 
 PROMPT = {"prompt": "Say something:", "max_tokens": 8, "ignore_eos": True}
 
@@ -92,3 +92,33 @@ def test_exactly_the_requests_a_budget_covers_are_served_and_the_spend_is_the_en
 
         assert before == 400 and during < 400 - 300
         assert until(back, 30), "the aborted stream's unused reservation did not come back"
+
+
+def test_a_tenant_without_a_lease_asks_for_one(tmp_path: Path) -> None:
+    """With a default budget, a tenant the lease message does not list is refused and asked for on /metrics,
+    which the operator reads; once a lease names it, its retry fits."""
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator)) as (_, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        assert post_leases(http, operator, {}, starter={"allowance": 0}).status_code == 200
+        refused = call(url, "newbie", PROMPT)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert metric_value(http.get("/metrics").text, "tally_budget_wanted_tokens", {"tenant": "newbie"}) > 0
+        assert post_leases(http, operator, {"newbie": {"allowance": 1000}}, starter={"allowance": 0}).status_code == 200
+        assert "tally_budget_wanted_tokens{" not in http.get("/metrics").text
+        assert call(url, "newbie", PROMPT).status_code == 200
+
+
+def test_leases_are_taken_on_the_metrics_port_only(tmp_path: Path) -> None:
+    """Where the operator reaches the pod (and the NetworkPolicy admits only it); the API port says 404."""
+    operator = Ed25519PrivateKey.generate()
+    metrics_port = free_port()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--metrics-port", str(metrics_port)) as (_, url), \
+            httpx.Client(base_url=f"http://127.0.0.1:{metrics_port}", timeout=60) as metrics, \
+            httpx.Client(base_url=url, timeout=60) as api:
+        assert post_leases(metrics, operator, {}).status_code == 200
+        epoch = metric_value(metrics.get("/metrics").text, "tally_start_time_seconds")
+        assert api.post("/internal/budgets", json={"epoch": epoch, "tenants": {}}).status_code == 404
+        assert call(url, "anyone", PROMPT).status_code == 200  # no default budget: not listed is unlimited

@@ -28,6 +28,9 @@ async def metrics(request: Request) -> Response:
             remaining = budgets.remaining(tenant)
             if remaining is not None:
                 server.metrics.budget_remaining.labels(tenant).set(remaining)
+        server.metrics.budget_wanted.clear()
+        for tenant, tokens in budgets.wanted.items():
+            server.metrics.budget_wanted.labels(tenant).set(tokens)
     body = server.metrics.render(server.engine.own_metrics(), settled=server.done)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
