@@ -65,7 +65,7 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
             budgets = plan_budgets(observed.budgets, ledger, booking.ledger,
                                    state_from_status(previous.get("budgets") or {}), observed.serving,
                                    datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
-                                   frozenset().union(*(s.wanted for s in observed.round.samples.values())))
+                                   {uid: s.wanted for uid, s in observed.round.samples.items() if s.wanted})
             fields["budgets"] = budgets_status(budgets, observed.budgets)
     status = build_status(previous, verdicts, now, observed.generation, fields)
     if observed.budgets_off:

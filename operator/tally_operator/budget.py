@@ -102,14 +102,17 @@ def period_of(now: datetime.datetime) -> tuple[str, float]:
 
 
 def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
-                 serving: frozenset[str], now: datetime.datetime, wanted: frozenset[str] = frozenset()) -> Planned:
+                 serving: frozenset[str], now: datetime.datetime,
+                 wanted: Mapping[str, frozenset[str]] | None = None) -> Planned:
     """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
     period, period_end = period_of(now)
     start, lost = dict(state.start), dict(state.lost)
     if state.period != period:  # a new month: spend counts from here; leases still out count against it
         start = {t: counted(c, config.count) for t, c in after.tenants.items()}
         lost = {}
-    known = set(after.tenants) | set(wanted) | {t for lease in state.leases.values() for t in lease.allowances}
+    wanted = wanted or {}
+    asked = {t for tenants in wanted.values() for t in tenants}
+    known = set(after.tenants) | asked | {t for lease in state.leases.values() for t in lease.allowances}
     budgeted = sorted(set(config.tenants) | (known if config.default is not None else set()))[:MAX_ENTRIES]
     leases = dict(state.leases)
     # Leases of pods that left the ledger or began again: what they may have spent unread is lost for the period
@@ -138,9 +141,11 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                        for uid, lease in leases.items()}
         held = sum(outstanding.values()) + lost.get(tenant, 0)
         free = budget.monthly_tokens - spent - held
-        share = free // len(grants) if grants and free > 0 else 0
         cap = budget.monthly_tokens // max(1, len(grants))  # an idle pod holds at most its share of the budget
-        for uid in sorted(grants):
+        # Only where the tenant is active (counted, asked for, or leased already): the status stays small
+        active = [uid for uid in sorted(grants) if _active(uid, tenant, after.readings[uid], leases, wanted)]
+        share = free // len(active) if active and free > 0 else 0
+        for uid in active:
             reading = after.readings[uid]
             have = outstanding.get(uid, 0)
             more = min(share, max(0, cap - have))
@@ -156,7 +161,7 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
         reading = after.readings[uid]
         assert reading.epoch is not None
         leases[uid] = PodLease(reading.epoch, allowances, starter)
-        messages[uid] = _message(uid, reading.epoch, config, allowances, starter, len(grants), period_end)
+        messages[uid] = _message(uid, reading.epoch, config, allowances, starter, len(grants), period_end, views)
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
                     if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
     return Planned(BudgetState(period, start, lost, leases), views, messages, crossed)
@@ -182,15 +187,27 @@ def _outstanding(lease: PodLease, reading: Reading | None, tenant: str, count: s
     return max(0, allowance - used)
 
 
+def _active(uid: str, tenant: str, reading: Reading, leases: Mapping[str, PodLease],
+            wanted: Mapping[str, frozenset[str]]) -> bool:
+    lease = leases.get(uid)
+    return bool(reading.tenants and tenant in reading.tenants) or tenant in wanted.get(uid, frozenset()) or \
+        (lease is not None and lease.epoch == reading.epoch and tenant in lease.allowances)
+
+
 def _message(uid: str, epoch: float, config: BudgetConfig, allowances: Mapping[str, int], starter: int | None,
-             pods: int, period_end: float) -> dict[str, object]:
+             pods: int, period_end: float, views: Mapping[str, TenantView]) -> dict[str, object]:
+    """What the pod is told: every tenant it has an allowance for, every listed tenant (one with a budget but
+    no allowance here gets 0 and asks), and what a tenant not listed gets (`starter`)."""
     def rate(tenant: str | None) -> int | None:
         budget = config.of(tenant) if tenant is not None else config.default
         return None if budget is None or budget.tokens_per_minute is None else budget.tokens_per_minute // pods
 
-    tenants: dict[str, dict[str, int | None]] = {}
+    tenants: dict[str, dict[str, int | bool | None]] = {}
     for tenant in sorted(set(allowances) | set(config.tenants)):
-        tenants[tenant] = {"allowance": allowances.get(tenant), "tokensPerMinute": rate(tenant)}
+        view = views.get(tenant)
+        allowance = allowances.get(tenant, 0 if view is not None else None)
+        tenants[tenant] = {"allowance": allowance, "tokensPerMinute": rate(tenant),
+                           "exhausted": view is not None and view.remaining == 0}
     return {"podUid": uid, "epoch": epoch, "count": config.count, "periodEnd": period_end, "tenants": tenants,
             "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
 

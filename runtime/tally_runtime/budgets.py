@@ -12,10 +12,12 @@ than was reserved), and the reservation is returned. So a pod never spends past 
 operator keeps the leases of all pods within the tenant's budget.
 
 Before the operator's first lease message a pod serves nobody (429, Retry-After: 1). A tenant the message
-does not list is unlimited when the service has no default budget; with one, its request is refused and the
-tenant is asked for: `tally_budget_wanted_tokens{tenant}` on /metrics, which the operator reads with the
-counters and answers with a lease in its next round (the client's retry, after Retry-After, then fits). The
-state lives on the event loop only.
+does not list is unlimited when the service has no default budget, else it has no allowance yet. A request
+that does not fit its tenant's allowance here is refused: with `insufficient_quota` when the operator said
+the tenant's budget is all spent or leased (`exhausted`), otherwise with `rate_limit_exceeded` and
+Retry-After: 1, and the tenant is asked for: `tally_budget_wanted_tokens{tenant}` on /metrics, which the
+operator reads with the counters and answers with more allowance in its next round, if the budget has it.
+The state lives on the event loop only.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ RATE_CODE = "rate_limit_exceeded"
 class Lease:
     allowance: float | None = None  # counter value the tenant may spend up to (None: no budget)
     tokens_per_minute: float | None = None  # this pod's share of the rate (None: no rate limit)
+    exhausted: bool = False  # the tenant's whole budget is spent or leased: no more to ask for this period
 
 
 @dataclass(slots=True)
@@ -80,11 +83,11 @@ class Budgets:
         reserved = self.reserved.get(tenant, 0.0)
         if lease.allowance is not None:
             remaining = lease.allowance - self.counter(tenant) - reserved
-            if tokens > remaining and tenant not in self.leases:  # asked for: the next round leases it
+            if tokens > remaining and not lease.exhausted:  # asked for: the next round may lease more
                 if len(self.wanted) < MAX_WANTED or tenant in self.wanted:
                     self.wanted[tenant] = max(self.wanted.get(tenant, 0.0), tokens)
-                self._refuse(tenant, RATE_CODE, "No token allowance for this tenant on this replica yet; it is "
-                             "asked for: retry shortly", limit=0, remaining=0, reset=1.0)
+                self._refuse(tenant, RATE_CODE, "Not enough token allowance for this tenant on this replica; more is "
+                             "asked for: retry shortly", limit=lease.allowance, remaining=remaining, reset=1.0)
             if tokens > remaining:
                 self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
                              f"tokens reserved for it, {max(0.0, remaining):.0f} left here)",
@@ -138,9 +141,9 @@ class Budgets:
         for name, lease in leases.items():
             before = self.leases.get(name)
             if before is not None and before.allowance is not None and lease.allowance is not None:
-                leases[name] = Lease(max(before.allowance, lease.allowance), lease.tokens_per_minute)
+                leases[name] = Lease(max(before.allowance, lease.allowance), lease.tokens_per_minute, lease.exhausted)
         self.count, self.leases, self.starter = str(count), leases, _lease(message.get("starter") or {})
-        self.wanted = {t: v for t, v in self.wanted.items() if t not in leases}
+        self.wanted = {}  # answered: a tenant still short asks again on its next refusal
         period_end = message.get("periodEnd")
         self.period_end = float(period_end) if isinstance(period_end, int | float) else 0.0
         self.leased = True
@@ -179,7 +182,8 @@ def _lease(raw: object) -> Lease:
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0
                                   or not math.isfinite(value)):
             raise ValueError("allowance and tokensPerMinute must be non-negative numbers")
-    return Lease(None if allowance is None else float(allowance), None if rate is None else float(rate))
+    return Lease(None if allowance is None else float(allowance), None if rate is None else float(rate),
+                 raw.get("exhausted") is True)
 
 
 def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, count: str) -> float:

@@ -50,7 +50,9 @@ def test_exactly_the_requests_a_budget_covers_are_served_and_the_spend_is_the_en
         assert post_leases(http, operator, {"probe": {"allowance": 1_000}}).status_code == 200
         probe = call(url, "probe", PROMPT).json()["usage"]
         cost = probe["prompt_tokens"] + probe["completion_tokens"]  # what each request reserves and bills
-        assert post_leases(http, operator, {"acme": {"allowance": 10 * cost}, "probe": {"allowance": 1_000}},
+        # the whole budget leased to this pod: nothing more to ask for (the operator says so: exhausted)
+        assert post_leases(http, operator, {"acme": {"allowance": 10 * cost, "exhausted": True},
+                                            "probe": {"allowance": 1_000}},
                            starter={"allowance": 10 * cost}).status_code == 200
 
         with concurrent.futures.ThreadPoolExecutor(100) as pool:
