@@ -36,14 +36,16 @@ class LedgerSeries(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # kept from kopf's loop, collected from the HTTP server's thread
-        self._ledgers: dict[tuple[str, str], Ledger] = {}
+        self._ledgers: dict[tuple[str, str], tuple[Ledger, float | None]] = {}
 
-    def keep(self, namespace: str, name: str, ledger: Ledger) -> None:
-        """Export `ledger` unless a later one is kept already (a stale body never takes a counter back)."""
+    def keep(self, namespace: str, name: str, ledger: Ledger, created: float | None = None) -> None:
+        """Export `ledger` unless a later one is kept already (a stale body never takes a counter back).
+        `created`: when the service was created, where its counters began at zero (exported as each series'
+        created timestamp, so Prometheus counts a series' first value too)."""
         with self._lock:
             kept = self._ledgers.get((namespace, name))
-            if kept is None or ledger.sequence >= kept.sequence:
-                self._ledgers[(namespace, name)] = ledger
+            if kept is None or ledger.sequence >= kept[0].sequence:
+                self._ledgers[(namespace, name)] = (ledger, created)
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
@@ -55,23 +57,23 @@ class LedgerSeries(Collector):
         labels = ["namespace", "name"]
         for field, text in _FIELDS.items():
             family = CounterMetricFamily(f"{PREFIX}_{field}", text, labels=labels)
-            for (namespace, name), ledger in ledgers:
-                family.add_metric([namespace, name], getattr(ledger.totals, field))
+            for (namespace, name), (ledger, created) in ledgers:
+                family.add_metric([namespace, name], getattr(ledger.totals, field), created=created)
             yield family
             if field in TENANT_FIELDS:
                 tenants = CounterMetricFamily(f"{PREFIX}_tenant_{field}", f"{text}, per tenant",
                                               labels=[*labels, "tenant"])
-                for (namespace, name), ledger in ledgers:
+                for (namespace, name), (ledger, created) in ledgers:
                     for tenant, counters in sorted(ledger.tenants.items()):
-                        tenants.add_metric([namespace, name, tenant], getattr(counters, field))
+                        tenants.add_metric([namespace, name, tenant], getattr(counters, field), created=created)
                 yield tenants
         unaccounted = CounterMetricFamily(f"{PREFIX}_pods_unaccounted", "Pods whose last counters were never read",
                                           labels=labels)
         folded = CounterMetricFamily(f"{PREFIX}_tenants_folded", "Tenant names booked to 'other': the ledger was full",
                                      labels=labels)
-        for (namespace, name), ledger in ledgers:
-            unaccounted.add_metric([namespace, name], ledger.unaccounted)
-            folded.add_metric([namespace, name], ledger.tenants_folded)
+        for (namespace, name), (ledger, created) in ledgers:
+            unaccounted.add_metric([namespace, name], ledger.unaccounted, created=created)
+            folded.add_metric([namespace, name], ledger.tenants_folded, created=created)
         yield unaccounted
         yield folded
 
@@ -108,9 +110,10 @@ class OperatorMetrics:
     def serve(self, port: int, address: str) -> None:
         start_http_server(port, addr=address, registry=self.registry)
 
-    def record(self, namespace: str, name: str, ledger: Ledger, health: str, scraped: int, failed: int) -> None:
+    def record(self, namespace: str, name: str, ledger: Ledger, health: str, scraped: int, failed: int,
+               created: float | None = None) -> None:
         """One booked round: the ledger as written, and what the round saw."""
-        self.ledgers.keep(namespace, name, ledger)
+        self.ledgers.keep(namespace, name, ledger, created)
         self.healthy.labels(namespace, name).set(HEALTH_VALUES.get(health, -1.0))
         self.last_scrape.labels(namespace, name).set_to_current_time()
         self.pods_scraped.labels(namespace, name).set(scraped)

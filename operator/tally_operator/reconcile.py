@@ -148,7 +148,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     generation = int(body.meta.get("generation") or 0)
     fields: dict[str, Any] = {"endpoint": endpoint(meta, ctx.settings)}
     if obj["status"].get("usage"):  # a restarted operator or a new leader exports the ledger from its first pass
-        ctx.metrics.ledgers.keep(meta["namespace"], meta["name"], ledger_from_status(obj["status"]["usage"]))
+        ctx.metrics.ledgers.keep(meta["namespace"], meta["name"], ledger_from_status(obj["status"]["usage"]),
+                                 created_at(body.meta))
     try:
         spec = parse_spec(body.spec)
         check_policy(spec, ctx.settings)
@@ -377,7 +378,7 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
              "what they served since the scrape before is not in the totals")
     ctx.metrics.record(meta["namespace"], meta["name"], booking.ledger,
                        planned.verdict.status if planned.verdict else "Unknown", len(scraped.round.samples),
-                       len(scraped.round.failed))
+                       len(scraped.round.failed), created_at(meta))
     if booking.folded:
         post(body, "Warning", "TenantsFolded", f"{booking.folded} tenant(s) beyond the ledger's "
                                                f"{MAX_LEDGER_TENANTS} were booked to tenant 'other' (the totals "
@@ -461,6 +462,15 @@ def apply_all(ctx: Context, meta: dict[str, str], spec: Spec) -> None:
             ctx.kube.apply(desired)
         elif existing is not None:
             ctx.kube.delete(api_version, kind, meta["name"], meta["namespace"], uid=existing["metadata"]["uid"])
+
+
+def created_at(meta: Mapping[str, Any]) -> float | None:
+    """The object's creationTimestamp in unix seconds (None when it is missing or malformed)."""
+    try:
+        return datetime.datetime.strptime(str(meta["creationTimestamp"]), "%Y-%m-%dT%H:%M:%SZ").replace(
+            tzinfo=datetime.UTC).timestamp()
+    except (KeyError, ValueError):
+        return None
 
 
 def now() -> str:

@@ -60,3 +60,12 @@ def test_scrapes_from_another_thread_see_each_series_only_rise() -> None:
         thread.join(timeout=30)
     assert seen and seen == sorted(seen)
     assert value(metrics, "tally_service_completion_tokens_total", name="svc") == 29_990
+
+
+def test_each_series_says_it_began_at_zero_when_the_service_was_created() -> None:
+    """A Prometheus with created-timestamp zero ingestion then counts a series' first value too (a tenant's
+    first tokens, or everything a restarted operator exports): the README's monthly query relies on it."""
+    metrics = OperatorMetrics()
+    metrics.ledgers.keep("ns", "svc", ledger(3, 30), created=1_700_000_000.0)
+    assert value(metrics, "tally_service_tenant_completion_tokens_created", tenant="acme") == 1_700_000_000.0
+    assert value(metrics, "tally_service_completion_tokens_created", name="svc") == 1_700_000_000.0
