@@ -101,6 +101,9 @@ class OperatorMetrics:
                                       [*labels, "tenant"], registry=self.registry)
         self.budget_spent = Gauge(f"{PREFIX}_budget_spent_tokens", "What the tenant spent this period (as its budget "
                                   "counts tokens)", [*labels, "tenant"], registry=self.registry)
+        self.budget_refusals = Gauge(f"{PREFIX}_budget_refusals", "429s for the tenant's budget or rate, counted "
+                                     "by the pods read in the last round (a pod replaced takes its count along)",
+                                     [*labels, "tenant"], registry=self.registry)
         self.desired_replicas = Gauge(f"{PREFIX}_desired_replicas", "Pods autoscaling decided on", labels,
                                       registry=self.registry)
         self.scaling_signal = Gauge(f"{PREFIX}_autoscaling_signal",
@@ -119,10 +122,13 @@ class OperatorMetrics:
         self.pods_scraped.labels(namespace, name).set(scraped)
         self.scrape_failures.labels(namespace, name).inc(failed)
 
-    def budgets(self, namespace: str, name: str, tenants: Mapping[str, TenantView]) -> None:
+    def budgets(self, namespace: str, name: str, tenants: Mapping[str, TenantView],
+                refusals: Mapping[str, float]) -> None:
         for tenant, view in tenants.items():
             self.budget_remaining.labels(namespace, name, tenant).set(view.remaining)
             self.budget_spent.labels(namespace, name, tenant).set(view.spent)
+        for tenant, refused in refusals.items():
+            self.budget_refusals.labels(namespace, name, tenant).set(refused)
 
     def workload(self, namespace: str, name: str, replicas: int, ready: int) -> None:
         self.replicas.labels(namespace, name).set(replicas)
@@ -135,7 +141,7 @@ class OperatorMetrics:
 
     def forget(self, namespace: str, name: str) -> None:
         self.ledgers.forget(namespace, name)
-        for gauge in (self.budget_remaining, self.budget_spent):
+        for gauge in (self.budget_remaining, self.budget_spent, self.budget_refusals):
             for labels in [k for k in gauge._metrics if k[:2] == (namespace, name)]:
                 gauge.remove(*labels)
         for metric in (self.healthy, self.pods_scraped, self.scrape_failures,

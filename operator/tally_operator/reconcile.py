@@ -387,7 +387,11 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
         for tenant, mark in planned.budgets.crossed:
             post(body, "Warning" if mark >= 1 else "Normal", "BudgetExhausted" if mark >= 1 else "BudgetWarning",
                  f"Tenant {tenant} has spent {mark:.0%} of its budget for {planned.budgets.state.period}")
-        ctx.metrics.budgets(meta["namespace"], meta["name"], planned.budgets.tenants)
+        refusals: dict[str, float] = {}
+        for sample in scraped.round.samples.values():
+            for tenant, refused in sample.refusals.items():
+                refusals[tenant] = refusals.get(tenant, 0.0) + refused
+        ctx.metrics.budgets(meta["namespace"], meta["name"], planned.budgets.tenants, refusals)
         await send_leases(ctx, scraped, planned.budgets.messages)
     await acknowledge_final(ctx, scraped)
 

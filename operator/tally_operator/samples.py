@@ -67,6 +67,7 @@ class PodSample:
     pod_uid: str = ""  # the pod the runtime says it is (downward API)
     load: Mapping[str, float] = field(default_factory=dict)  # autoscaling signals: gauge name -> value
     wanted: frozenset[str] = frozenset()  # tenants refused for want of a lease (budget.py grants them one)
+    refusals: Mapping[str, float] = field(default_factory=dict)  # tenant -> 429s for its budget or rate, so far
 
     def acknowledgement(self) -> dict[str, float]:
         """The final counters as the runtime's final-read handshake expects them back (drain.py)."""
@@ -96,7 +97,7 @@ _TENANT_NAMES = {
     contract.sample_name(contract.TENANT_CACHED_TOKENS): "cached_tokens",
 }
 _READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO,
-         contract.DRAINING, contract.BUDGET_WANTED}
+         contract.DRAINING, contract.BUDGET_WANTED, contract.sample_name(contract.BUDGET_REFUSALS)}
 
 
 MAX_LOAD = 1e9  # no pod queues or runs this many requests: a larger gauge is not to be scaled on
@@ -120,6 +121,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     tenants: dict[str, dict[str, float]] = {}
     all_requests = 0.0
     wanted: set[str] = set()
+    refusals: dict[str, float] = {}
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -144,6 +146,9 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                     pod_uid = sample.labels.get("pod_uid", "")
                 elif sample.name in _FINAL_GAUGES or sample.name in _LOAD_GAUGES:
                     gauges[sample.name] = gauges.get(sample.name, 0.0) + sample.value
+                elif sample.name == contract.sample_name(contract.BUDGET_REFUSALS):
+                    tenant_name = sample.labels.get("tenant", "")
+                    refusals[tenant_name] = refusals.get(tenant_name, 0.0) + sample.value
                 elif sample.name == contract.BUDGET_WANTED:
                     if sample.value > 0:
                         wanted.add(sample.labels.get("tenant", ""))
@@ -166,7 +171,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
     final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
         and not gauges.get(contract.QUEUED_REQUESTS)
-    if len(wanted) > MAX_TENANTS_PER_POD:
+    if len(wanted) > MAX_TENANTS_PER_POD or len(refusals) > MAX_TENANTS_PER_POD + 1:
         raise MetricsParseError(f"{len(wanted)} tenants asking for a lease: more than {MAX_TENANTS_PER_POD}")
     if len(tenants) > MAX_TENANTS_PER_POD + 1:
         raise MetricsParseError(f"{len(tenants)} tenants: more than the {MAX_TENANTS_PER_POD} a pod may report")
@@ -182,7 +187,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
         if not value <= MAX_LOAD:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
     return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load,
-                     frozenset(wanted))
+                     frozenset(wanted), refusals)
 
 
 def _check(name: str, value: float, count: bool) -> None:

@@ -130,3 +130,15 @@ def test_counters_summed_over_label_sets_above_2_to_the_53_are_refused() -> None
                     for i in range(3))
     with pytest.raises(MetricsParseError, match="2\\^53"):
         parse_sample(EPOCH + POD + "# TYPE tally_requests counter\n" + lines, expected_pod_uid="uid-1")
+
+
+def test_budget_refusals_and_tenants_asking_for_a_lease_are_read_per_tenant() -> None:
+    text = (METRICS + "# TYPE tally_budget_refusals counter\n"
+            'tally_budget_refusals_total{tenant="acme",code="insufficient_quota"} 3\n'
+            'tally_budget_refusals_total{tenant="acme",code="rate_limit_exceeded"} 2\n'
+            "# TYPE tally_budget_wanted_tokens gauge\n"
+            'tally_budget_wanted_tokens{tenant="newbie"} 40\ntally_budget_wanted_tokens{tenant="done"} 0\n')
+    sample = parse_sample(text)
+    assert sample.refusals == {"acme": 5} and sample.wanted == {"newbie"}
+    with pytest.raises(MetricsParseError, match="not negative"):
+        parse_sample(METRICS + '# TYPE tally_budget_wanted_tokens gauge\ntally_budget_wanted_tokens{tenant="x"} -1\n')
