@@ -124,3 +124,38 @@ def test_leases_are_taken_on_the_metrics_port_only(tmp_path: Path) -> None:
         epoch = metric_value(metrics.get("/metrics").text, "tally_start_time_seconds")
         assert api.post("/internal/budgets", json={"epoch": epoch, "tenants": {}}).status_code == 404
         assert call(url, "anyone", PROMPT).status_code == 200  # no default budget: not listed is unlimited
+
+
+def test_reservations_all_come_back_when_clients_leave_while_queued_granted_or_streaming(tmp_path: Path) -> None:
+    """One generation slot, a queue behind it: clients that leave while queued, just as they are granted, and
+    mid-stream. Afterwards nothing is held: the tenant's remaining allowance is its lease less exactly what
+    its clients were billed (what the counter says), whatever the interleaving."""
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--max-concurrent-generations", "1") as (_, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        assert post_leases(http, operator, {"acme": {"allowance": 1_000_000}}).status_code == 200
+        body = {"prompt": "Count:", "max_tokens": 60, "ignore_eos": True, "stream": True}
+
+        def leave_after(chunks: int, delay: float) -> None:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                try:
+                    with client.stream("POST", "/v1/completions", json=body, headers={"X-Tally-Tenant": "acme"},
+                                       timeout=httpx.Timeout(60, read=delay)) as stream:
+                        for i, _ in enumerate(stream.iter_bytes()):
+                            if i + 1 >= chunks:
+                                return
+                except httpx.ReadTimeout:
+                    return  # left while queued (no byte within `delay`)
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            list(pool.map(lambda args: leave_after(*args),
+                          [(1, 0.05), (3, 5.0), (1, 0.2), (100, 30.0), (1, 0.01), (2, 5.0)] * 2))
+
+        def settled() -> bool:
+            text = http.get("/metrics").text
+            billed = sum(metric_value(text, f"tally_tenant_{f}_total", {"tenant": "acme"})
+                         for f in ("prompt_tokens", "completion_tokens"))
+            return metric_value(text, "tally_inflight_generations") == 0 and \
+                metric_value(text, "tally_budget_remaining_tokens", {"tenant": "acme"}) == 1_000_000 - billed
+        assert until(settled, 60), "a reservation was kept after its request ended"
