@@ -58,8 +58,9 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
     assert ("ClusterKopfPeering", None) not in kinds
     cluster_role = next(o for o in objects if o["kind"] == "ClusterRole")
     assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
-    names = {o["metadata"]["name"] for o in objects if o["kind"] != "Service"}
+    names = {o["metadata"]["name"] for o in objects if o["kind"] not in {"Service", "Secret", "ClusterRole"}}
     assert names == {"tally-team-a", "tally-team-a-reach"}  # the operator's reach policy beside the others
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"} == {"tally-team-a-signing"}
     assert all(o["metadata"]["labels"]["app.kubernetes.io/name"] == "tally" for o in objects)
     env = next(c for c in objects if c["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "TALLY_OPERATOR_PEERING_CLUSTERWIDE", "value": "false"} in env
@@ -111,8 +112,11 @@ def test_spec_change_rolls_out(operator: ChartOperator, kube: Kubectl) -> None:
         cs = kube.json("get", "completionservice", "smollm")
         status = cs.get("status") or {}
         ready = next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+        progressing = next((c for c in status.get("conditions") or [] if c["type"] == "Progressing"), {})
         current = status.get("observedGeneration") == cs["metadata"]["generation"]
-        return cs if current and ready.get("status") == "True" else None
+        # Ready stays True at full capacity while the rollout goes on: its end is Progressing=False
+        done = ready.get("status") == "True" and progressing.get("status") == "False"
+        return cs if current and done else None
 
     cs = eventually(rolled_out_and_ready, 90, what="rolled out and Ready")
     assert cs["status"]["updatedReplicas"] == 2
