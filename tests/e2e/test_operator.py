@@ -111,7 +111,8 @@ def test_example_becomes_ready_with_gpu_pods(operator: ChartOperator, kube: Kube
     assert cs["status"]["readyReplicas"] == 2 and cs["status"]["observedGeneration"] == cs["metadata"]["generation"]
     assert cs["status"]["desiredReplicas"] == 2
     columns = kube("get", "completionservice", "smollm").split("\n")[:2]
-    assert columns[0].split()[:4] == ["NAME", "READY", "PODS", "DESIRED"] and columns[1].split()[1:4] == ["True", "2", "2"]
+    assert columns[0].split()[:4] == ["NAME", "READY", "PODS", "DESIRED"]
+    assert columns[1].split()[1:4] == ["True", "2", "2"]
     assert cs["status"]["endpoint"] == f"http://smollm.{namespace}.svc.cluster.local:8000/v1"
     dep = deployment(kube)
     container = dep["spec"]["template"]["spec"]["containers"][0]
