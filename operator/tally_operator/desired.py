@@ -168,6 +168,8 @@ def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "fsGroup": c.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
+        **({"imagePullSecrets": [{"name": name} for name in settings.runtime_image_pull_secrets]}
+           if settings.runtime_image_pull_secrets else {}),
         "terminationGracePeriodSeconds": grace_seconds(spec),
     }
     if spec.node_selector:

@@ -131,3 +131,13 @@ def test_runtime_pods_get_the_operators_public_key_and_nothing_when_it_has_none(
 
     assert env(OperatorSettings(final_read_key="cHVibGlj"))["TALLY_FINAL_READ_KEY"] == "cHVibGlj"
     assert "TALLY_FINAL_READ_KEY" not in env(OperatorSettings())
+
+
+def test_runtime_pods_pull_with_the_secrets_the_chart_names() -> None:
+    meta = {"name": "s", "namespace": "n", "uid": "u"}
+    spec = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}})
+    pod = desired_deployment(meta, spec, OperatorSettings(runtime_image_pull_secrets=("registry", "mirror")))
+    assert pod["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}, {"name": "mirror"}]
+    assert "imagePullSecrets" not in desired_deployment(meta, spec, OperatorSettings())["spec"]["template"]["spec"]
+    settings = OperatorSettings.from_env({"TALLY_OPERATOR_RUNTIME_IMAGE_PULL_SECRETS": "registry, mirror"})
+    assert settings.runtime_image_pull_secrets == ("registry", "mirror")
