@@ -72,6 +72,7 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
         "--max-concurrent-generations", str(spec.max_concurrent_generations),
         "--journal-path", c.JOURNAL_PATH, "--drain-seconds", str(spec.drain_seconds),
         "--final-read-seconds", str(final_read_seconds(spec)),
+        "--service-namespace", str(meta["namespace"]), "--service-name", str(meta["name"]),
     ]
     if spec.model_path:
         args += ["--model-path", spec.model_path]

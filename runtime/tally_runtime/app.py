@@ -80,6 +80,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         app.state.tenant_header = settings.tenant_header
         app.state.max_body_bytes = settings.max_body_bytes
         app.state.server = server
+        server.service = (settings.service_namespace, settings.service_name)
         if settings.budgets:
             refusals = metrics_.budget_refusals
             server.budgets = Budgets(counter=lambda tenant: counted(totals, tenant, server), epoch=totals.epoch,

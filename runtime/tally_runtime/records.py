@@ -35,7 +35,7 @@ class UsageRecord:
     endpoint: str  # completions | chat
     tenant: str
     tenant_source: str  # key | header | user | none: what named the tenant (auth.py)
-    outcome: str  # ok | aborted | error | invalid | overloaded (as tally_requests_total's label)
+    outcome: str  # ok | aborted | error | invalid | overloaded | over_budget | rate_limited (tally_requests_total's)
     finish_reasons: tuple[str | None, ...]  # per choice, in index order; None: the choice did not finish
     n: int  # choices generated (prompts x n)
     stream: bool
@@ -46,6 +46,8 @@ class UsageRecord:
     derived: bool  # the engine reported no counts; streamed ids were counted instead
     time_to_first_token_seconds: float | None
     duration_seconds: float
+    namespace: str = ""  # the CompletionService's namespace and name (the operator passes them): what a meter
+    service: str = ""  # groups by besides the tenant (added within v1)
 
     def body(self) -> dict[str, object]:
         body = {"schema": SCHEMA, **{name: getattr(self, name) for name in self.__slots__}}

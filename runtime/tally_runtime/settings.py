@@ -58,6 +58,8 @@ class Settings:
     trust_remote_code: bool = False
     log_level: str = "info"
     pod_uid: str = ""  # the operator sets it from the downward API
+    service_namespace: str = ""  # the CompletionService this runtime serves (the operator sets them): in records
+    service_name: str = ""
     final_read_key: str = ""  # the operator's Ed25519 public key (base64): only it may end the final-read wait
     engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
 
@@ -129,6 +131,8 @@ _HELP: dict[str, str] = {
     "log_level": "uvicorn and runtime log level",
     "final_read_key": "the operator's Ed25519 public key (base64, the operator sets it): the final-read "
                       "acknowledgement must carry its signature, anything else gets 403",
+    "service_namespace": "the namespace of the CompletionService this runtime serves, in every usage record",
+    "service_name": "the name of the CompletionService this runtime serves, in every usage record",
     "pod_uid": "the uid of the pod this runtime serves in, exported as tally_runtime_info{pod_uid} so that a "
     "scraper can tell it reached the pod it meant (a pod IP can be reused)",
     "engine_args": "one extra SGLang server argument, by its full option name (repeat the flag for more; "

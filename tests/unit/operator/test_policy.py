@@ -141,3 +141,5 @@ def test_runtime_pods_pull_with_the_secrets_the_chart_names() -> None:
     assert "imagePullSecrets" not in desired_deployment(meta, spec, OperatorSettings())["spec"]["template"]["spec"]
     settings = OperatorSettings.from_env({"TALLY_OPERATOR_RUNTIME_IMAGE_PULL_SECRETS": "registry, mirror"})
     assert settings.runtime_image_pull_secrets == ("registry", "mirror")
+    args = pod["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--service-namespace") + 1] == "n" and args[args.index("--service-name") + 1] == "s"
