@@ -67,6 +67,10 @@ class Metrics:
         self.connections_refused = Counter(contract.CONNECTIONS_REFUSED, "Connections refused on arrival: over their "
                                            "port's cap, or their client's before it authenticated", ["why"],
                                            registry=r)
+        self.records_queued = Gauge(contract.RECORDS_QUEUED, "Usage records spooled and not yet delivered to "
+                                    "--usage-records-url", registry=r)
+        self.records_delivered = Counter(contract.RECORDS_DELIVERED, "Usage records the receiver took (2xx)",
+                                         registry=r)
         self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "
                                       "under its lease (counted as the budget counts them)", ["tenant"], registry=r)
         self.budget_wanted = Gauge(contract.BUDGET_WANTED, "Tenants refused for want of a lease: the operator grants "

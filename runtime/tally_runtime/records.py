@@ -91,8 +91,11 @@ class RecordSink:
     (`lost`, exported as tally_usage_records_lost_total{sink})."""
 
     def __init__(self, stdout: bool, path: str = "", cloudevents_source: str = "",
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None, deliver: Callable[[bytes], None] | None = None,
+                 delivery_source: str = "") -> None:
         self.stdout = stdout
+        self.deliver = deliver  # delivery.Delivery.append: CloudEvents to a billing system
+        self.delivery_source = delivery_source or cloudevents_source or "tally-runtime"
         self.on_lost = on_lost
         self.cloudevents_source = cloudevents_source
         # 0600, as the journal: the records name every tenant and what it used
@@ -102,6 +105,8 @@ class RecordSink:
 
     def write(self, record: UsageRecord) -> None:
         line = record.to_cloudevent(self.cloudevents_source) if self.cloudevents_source else record.to_line()
+        if self.deliver is not None:
+            self.deliver(line if self.cloudevents_source else record.to_cloudevent(self.delivery_source))
         for sink, fd in (("stdout", 1 if self.stdout else None), ("file", self.fd)):
             if fd is None:
                 continue
