@@ -93,3 +93,12 @@ def test_every_named_crd_field_is_described() -> None:
 
     walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
     assert not missing
+
+
+def test_every_dashboard_panel_says_what_it_shows_and_names_its_series() -> None:
+    dashboard = json.loads((CHART / "monitoring" / "dashboard.json").read_text())
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "namespace", "service"}
+    for panel in dashboard["panels"]:
+        assert panel.get("description"), panel["title"]
+        for target in panel["targets"]:
+            assert target.get("legendFormat") and "$service" in target["expr"], (panel["title"], target["expr"])
