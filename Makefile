@@ -28,6 +28,7 @@ images: install node-deps bins  ## the runtime, operator, client and pause image
 serve: install  ## the runtime alone on 127.0.0.1:8000 with the embedded CPU model
 	$(VENV)/bin/tally-runtime serve
 
+run: export TALLY_WITH_PROMETHEUS = 0
 run: install bins images  ## the main job: cluster with a real node, chart, operator pods, example service, a completion
 	hack/demo.sh up
 

@@ -20,6 +20,8 @@ RUNTIME_PORT_NAME = "http"
 # /metrics and the final-read handshake, apart from the API: only the operator needs them
 RUNTIME_METRICS_PORT = 8001
 RUNTIME_METRICS_PORT_NAME = "metrics"
+DELIVERY_DIR = "/etc/tally/delivery"  # the records receiver's token Secret, mounted read-only
+DELIVERY_TOKEN_FILE = f"{DELIVERY_DIR}/token"
 AUTH_DIR = "/etc/tally/auth"  # the API keys Secret, mounted read-only
 API_KEYS_FILE = f"{AUTH_DIR}/api-keys"
 CONTAINER_NAME = "runtime"

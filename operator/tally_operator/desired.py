@@ -72,6 +72,7 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
         "--max-concurrent-generations", str(spec.max_concurrent_generations),
         "--journal-path", c.JOURNAL_PATH, "--drain-seconds", str(spec.drain_seconds),
         "--final-read-seconds", str(final_read_seconds(spec)),
+        "--service-namespace", str(meta["namespace"]), "--service-name", str(meta["name"]),
     ]
     if spec.model_path:
         args += ["--model-path", spec.model_path]
@@ -83,6 +84,13 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
                  f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]
     if spec.budgets is not None:
         args.append("--budgets")
+    if spec.records_url:  # spooled next to the journal, on the pod's volume
+        args += ["--usage-records-url", spec.records_url]
+        if spec.records_format != "cloudevents":
+            args.append(f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}"
+                        "/pods/$(POD_NAME)")
+        if spec.records_token_secret:
+            args += ["--usage-records-token-file", c.DELIVERY_TOKEN_FILE]
     if spec.api_keys_secret:
         args += ["--api-keys-file", c.API_KEYS_FILE]
         if spec.trust_tenant_header:
@@ -116,6 +124,8 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
     if spec.api_keys_secret:
         mounts.append({"name": "api-keys", "mountPath": c.AUTH_DIR, "readOnly": True})
+    if spec.records_url and spec.records_token_secret:
+        mounts.append({"name": "delivery", "mountPath": c.DELIVERY_DIR, "readOnly": True})
     return {
         "name": c.CONTAINER_NAME,
         "image": spec.image or settings.runtime_image,
@@ -158,6 +168,9 @@ def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -
     ]
     if spec.model_volume:
         volumes.append({"name": "models", **{k: v for k, v in spec.model_volume.items() if k != "name"}})
+    if spec.records_url and spec.records_token_secret:
+        volumes.append({"name": "delivery", "secret": {"secretName": spec.records_token_secret, "defaultMode": 0o400,
+                                                       "items": [{"key": spec.records_token_key, "path": "token"}]}})
     if spec.api_keys_secret:
         volumes.append({"name": "api-keys", "secret": {"secretName": spec.api_keys_secret, "defaultMode": 0o400,
                                                        "items": [{"key": spec.api_keys_key, "path": "api-keys"}]}})
@@ -168,6 +181,8 @@ def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "fsGroup": c.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
+        **({"imagePullSecrets": [{"name": name} for name in settings.runtime_image_pull_secrets]}
+           if settings.runtime_image_pull_secrets else {}),
         "terminationGracePeriodSeconds": grace_seconds(spec),
     }
     if spec.node_selector:

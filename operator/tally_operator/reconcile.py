@@ -181,6 +181,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         await commit(ctx, body, memory, obj, fixed(observed))
         return
     fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
+    fields["desiredReplicas"] = spec.replicas  # with autoscaling, the count it decided (read from the Deployment)
     ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
     verdicts = workload_verdicts(spec, deployment, pods)
     # Without our Deployment (deleted with --cascade=orphan, say) its pods are not gone: they are re-adopted

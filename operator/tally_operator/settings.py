@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 @dataclass(frozen=True, slots=True)
 class OperatorSettings:
     runtime_image: str = "tally-runtime:0.1.0"
+    runtime_image_pull_secrets: tuple[str, ...] = ()  # Secrets of each service's namespace its pods pull with
     reconcile_interval: float = 60.0  # seconds between full passes (re-apply children) per resource
     status_interval: float = 5.0  # seconds between status refreshes per resource (reads only)
     cluster_domain: str = "cluster.local"

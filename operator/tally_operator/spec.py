@@ -57,6 +57,9 @@ class Spec:
     autoscaling: Autoscaling | None = None  # None: spec.replicas (or an external HPA/KEDA on the scale subresource)
     api_keys_secret: str = ""  # a Secret of the service's namespace holding its API keys (auth.py's format)
     api_keys_key: str = "api-keys"  # the key of that Secret
+    records_url: str = ""  # usageRecords.delivery: where the pods deliver their records (delivery.py)
+    records_token_secret: str = ""  # a Secret of the namespace holding the receiver's bearer token
+    records_token_key: str = "token"
     trust_tenant_header: bool = False
     budgets: BudgetConfig | None = None  # per-tenant token budgets and rate limits (budget.py)
 
@@ -70,6 +73,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
     health = raw.get("usageHealth") or {}
     auth = raw.get("auth") or {}
     keys = auth.get("apiKeysSecret") or {}
+    delivery = (raw.get("usageRecords") or {}).get("delivery") or {}
     if not model.get("name"):
         raise SpecError("InvalidSpec", "spec.model.name is required")
     spec = Spec(
@@ -107,6 +111,9 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         api_keys_key=str(keys.get("key") or "api-keys"),
         trust_tenant_header=bool(auth.get("trustTenantHeader", False)),
         budgets=parse_budgets(raw.get("budgets")),
+        records_url=str(delivery.get("url") or ""),
+        records_token_secret=str((delivery.get("tokenSecret") or {}).get("name") or ""),
+        records_token_key=str((delivery.get("tokenSecret") or {}).get("key") or "token"),
     )
     check(spec)
     return spec
@@ -121,6 +128,7 @@ RESERVED_ENV = frozenset({"POD_NAME", "HOME", "XDG_CACHE_HOME"})
 # A Secret opts in to holding a service's API keys by its name; any other Secret of the namespace stays out of
 # reach of whoever may create a CompletionService (no Secret is read by the operator to check a label)
 KEYS_SECRET_PREFIX = "tally-api-keys"
+DELIVERY_SECRET_PREFIX = "tally-usage-delivery"  # the same opt-in for the records receiver's token
 
 
 ENGINE_ARG = re.compile(engine_args_pattern())
@@ -203,6 +211,12 @@ def check(spec: Spec) -> None:
             reserved = ", ".join(sorted(RESERVED_ENV))
             raise SpecError("ForbiddenEnv", f"spec.engine.env may not set {name!r}: names starting with "
                                             f"{', '.join(FORBIDDEN_ENV_PREFIXES)} and {reserved} are the runtime's own")
+    token = spec.records_token_secret
+    if token and not (token == DELIVERY_SECRET_PREFIX or token.startswith(DELIVERY_SECRET_PREFIX + "-")):
+        raise SpecError("ForbiddenSecret", f"spec.usageRecords.delivery.tokenSecret.name must be "
+                                           f"{DELIVERY_SECRET_PREFIX} or start with {DELIVERY_SECRET_PREFIX}-")
+    if spec.records_url and not re.match(r"^https?://\S+$", spec.records_url):
+        raise SpecError("InvalidSpec", "spec.usageRecords.delivery.url must be an http(s) URL")
     secret = spec.api_keys_secret
     if secret and not (secret == KEYS_SECRET_PREFIX or secret.startswith(KEYS_SECRET_PREFIX + "-")):
         raise SpecError("ForbiddenSecret", f"spec.auth.apiKeysSecret.name must be {KEYS_SECRET_PREFIX} or start with "

@@ -23,6 +23,7 @@ from tally_runtime import contract, handoff
 from tally_runtime.auth import ApiKeys
 from tally_runtime.budgets import Budgets
 from tally_runtime.client_watch import StallGuard
+from tally_runtime.delivery import Delivery
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
 from tally_runtime.http_limits import Connections
@@ -58,9 +59,12 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         totals = journal.resume() if journal is not None else Totals()
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
                            totals=totals, max_tenants=settings.max_tenants, pod_uid=settings.pod_uid)
+        delivery = start_delivery(settings, metrics_)
         records = RecordSink(settings.usage_records, settings.usage_records_file, cloudevents_source(settings),
-                             on_lost=lambda sink: metrics_.records_lost.labels(sink).inc()) \
-            if settings.usage_records or settings.usage_records_file else None
+                             on_lost=lambda sink: metrics_.records_lost.labels(sink).inc(),
+                             deliver=delivery.append if delivery is not None else None,
+                             delivery_source=settings.usage_source) \
+            if settings.usage_records or settings.usage_records_file or delivery is not None else None
         app.state.stall_guard.on_end = metrics_.streams_stalled.inc
         if connections is not None:
             connections.on_refused = lambda why: metrics_.connections_refused.labels(why).inc()
@@ -80,12 +84,13 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         app.state.tenant_header = settings.tenant_header
         app.state.max_body_bytes = settings.max_body_bytes
         app.state.server = server
+        server.service = (settings.service_namespace, settings.service_name)
         if settings.budgets:
             refusals = metrics_.budget_refusals
             server.budgets = Budgets(counter=lambda tenant: counted(totals, tenant, server), epoch=totals.epoch,
                                      on_refused=lambda tenant, code: refusals.labels(tenant, code).inc())
         app.state.drain = Drain(server, settings.drain_seconds, settings.final_read_seconds, exit_now or _no_exit,
-                                connections)
+                                connections, delivery)
         if exit_now is not None:
             app.state.drain.install()  # after engine.start(): SGLang installed its own handler by then
         log.info("Engine %s ready in %.1fs serving %r (context %d, %s streaming)", info.engine_kind,
@@ -97,6 +102,8 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
             await engine.stop()
             if records is not None:
                 records.close()
+            if delivery is not None:
+                await delivery.close()
             if journal is not None:
                 journal.close()
 
@@ -129,6 +136,22 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         return error_response(ApiError(500, "Internal server error"))
 
     return app
+
+
+def start_delivery(settings: Settings, metrics_: Metrics) -> Delivery | None:
+    """The records' delivery to --usage-records-url, its spool next to the journal unless named."""
+    if not settings.usage_records_url:
+        return None
+    spool = Path(settings.usage_records_spool or Path(settings.journal_path).parent / "usage-records.spool")
+    token = Path(settings.usage_records_token_file).read_text().strip() if settings.usage_records_token_file else ""
+    delivery = Delivery(settings.usage_records_url, spool, token, settings.usage_records_spool_bytes,
+                        on_lost=lambda: metrics_.records_lost.labels("delivery").inc(),
+                        on_delivered=metrics_.records_delivered.inc)
+    metrics_.records_queued.set_function(lambda: float(delivery.pending))
+    if delivery.pending:
+        log.info("%d usage record(s) from before a restart are still to be delivered", delivery.pending)
+    delivery.start()
+    return delivery
 
 
 def cloudevents_source(settings: Settings) -> str:

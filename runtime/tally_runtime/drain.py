@@ -35,11 +35,13 @@ from tally_runtime.ledger import Totals
 from tally_runtime.serving import Server
 
 if TYPE_CHECKING:
+    from tally_runtime.delivery import Delivery
     from tally_runtime.http_limits import Connections
 
 log = logging.getLogger("tally_runtime.drain")
 
 ABORT_GRACE_SECONDS = 10.0  # after the deadline: for aborted runs to deliver their final counts
+FLUSH_SECONDS = 10.0  # at least this long to deliver the spooled records, however late the drain ended
 
 
 def final_counters(totals: Totals) -> dict[str, float]:
@@ -56,8 +58,10 @@ def matches(acknowledged: Mapping[str, Any], totals: Totals) -> bool:
 
 class Drain:
     def __init__(self, server: Server, drain_seconds: float, final_read_seconds: float,
-                 exit_now: Callable[[], None], connections: Connections | None = None) -> None:
+                 exit_now: Callable[[], None], connections: Connections | None = None,
+                 delivery: Delivery | None = None) -> None:
         self.server = server
+        self.delivery = delivery
         self.connections = connections
         self.drain_seconds = drain_seconds
         self.final_read_seconds = final_read_seconds
@@ -119,6 +123,11 @@ class Drain:
                           "were read", server.admission.used)
             server.book_all()  # whatever their sockets do (a client that stopped reading holds nothing)
         await server.settle()
+        if self.delivery is not None:  # the records reach the billing system before the pod goes
+            left = max(FLUSH_SECONDS, self.began + self.drain_seconds - time.monotonic())
+            if not await self.delivery.flush(left):
+                log.warning("Drained with %d usage record(s) not delivered to the billing system",
+                            self.delivery.pending)
         unused = max(0.0, self.began + self.drain_seconds - time.monotonic())
         wait = self.final_read_seconds + unused if self.final_read_seconds > 0 else 0.0
         if wait > 0:

@@ -6,7 +6,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -18,6 +18,10 @@ from tally_runtime.usage import RequestUsage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# A counter's `_created` series would double every counter series a pod exports: its epoch is
+# tally_start_time_seconds already (the counters began there, or at the journal's epoch)
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 @dataclass
@@ -63,6 +67,10 @@ class Metrics:
         self.connections_refused = Counter(contract.CONNECTIONS_REFUSED, "Connections refused on arrival: over their "
                                            "port's cap, or their client's before it authenticated", ["why"],
                                            registry=r)
+        self.records_queued = Gauge(contract.RECORDS_QUEUED, "Usage records spooled and not yet delivered to "
+                                    "--usage-records-url", registry=r)
+        self.records_delivered = Counter(contract.RECORDS_DELIVERED, "Usage records the receiver took (2xx)",
+                                         registry=r)
         self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "
                                       "under its lease (counted as the budget counts them)", ["tenant"], registry=r)
         self.budget_wanted = Gauge(contract.BUDGET_WANTED, "Tenants refused for want of a lease: the operator grants "

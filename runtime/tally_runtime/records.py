@@ -35,7 +35,7 @@ class UsageRecord:
     endpoint: str  # completions | chat
     tenant: str
     tenant_source: str  # key | header | user | none: what named the tenant (auth.py)
-    outcome: str  # ok | aborted | error | invalid | overloaded (as tally_requests_total's label)
+    outcome: str  # ok | aborted | error | invalid | overloaded | over_budget | rate_limited (tally_requests_total's)
     finish_reasons: tuple[str | None, ...]  # per choice, in index order; None: the choice did not finish
     n: int  # choices generated (prompts x n)
     stream: bool
@@ -46,6 +46,8 @@ class UsageRecord:
     derived: bool  # the engine reported no counts; streamed ids were counted instead
     time_to_first_token_seconds: float | None
     duration_seconds: float
+    namespace: str = ""  # the CompletionService's namespace and name (the operator passes them): what a meter
+    service: str = ""  # groups by besides the tenant (added within v1)
 
     def body(self) -> dict[str, object]:
         body = {"schema": SCHEMA, **{name: getattr(self, name) for name in self.__slots__}}
@@ -89,8 +91,11 @@ class RecordSink:
     (`lost`, exported as tally_usage_records_lost_total{sink})."""
 
     def __init__(self, stdout: bool, path: str = "", cloudevents_source: str = "",
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None, deliver: Callable[[bytes], None] | None = None,
+                 delivery_source: str = "") -> None:
         self.stdout = stdout
+        self.deliver = deliver  # delivery.Delivery.append: CloudEvents to a billing system
+        self.delivery_source = delivery_source or cloudevents_source or "tally-runtime"
         self.on_lost = on_lost
         self.cloudevents_source = cloudevents_source
         # 0600, as the journal: the records name every tenant and what it used
@@ -100,6 +105,8 @@ class RecordSink:
 
     def write(self, record: UsageRecord) -> None:
         line = record.to_cloudevent(self.cloudevents_source) if self.cloudevents_source else record.to_line()
+        if self.deliver is not None:
+            self.deliver(line if self.cloudevents_source else record.to_cloudevent(self.delivery_source))
         for sink, fd in (("stdout", 1 if self.stdout else None), ("file", self.fd)):
             if fd is None:
                 continue

@@ -79,6 +79,7 @@ class Server:
         self.quiet = asyncio.Event()  # no run open: every admitted request is recorded
         self.quiet.set()
         self.budgets: Budgets | None = None  # per-tenant leases, when the operator manages budgets
+        self.service = ("", "")  # (namespace, name) of the CompletionService, for the usage records
 
     def reserve(self, job: Job, tenant: Tenant) -> Reservation | None:
         """The request's worst case, reserved from its tenant's lease (429 when it does not fit)."""
@@ -118,7 +119,8 @@ class Server:
             finish_reasons=(None,) * (job.generations if job else 0),
             n=job.generations if job else 0, stream=bool(job and job.stream), prompt_tokens=0, completion_tokens=0,
             cached_tokens=0, reasoning_tokens=0, derived=False, time_to_first_token_seconds=None,
-            duration_seconds=max(0.0, time.monotonic() - started) if started else 0.0)
+            duration_seconds=max(0.0, time.monotonic() - started) if started else 0.0,
+            namespace=self.service[0], service=self.service[1])
         self.record(record, "none")
 
     def fail(self, endpoint: str, tenant: Tenant, started: float) -> None:
@@ -374,7 +376,8 @@ class Run:
             outcome=self.outcome, finish_reasons=tuple(c.finish_reason for c in self.usage), n=job.generations,
             stream=job.stream, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens or 0, reasoning_tokens=usage.reasoning_tokens or 0,
-            derived=usage.derived, time_to_first_token_seconds=self.time_to_first_token, duration_seconds=duration)
+            derived=usage.derived, time_to_first_token_seconds=self.time_to_first_token, duration_seconds=duration,
+            namespace=self.server.service[0], service=self.server.service[1])
 
     # ---- the two response forms
 

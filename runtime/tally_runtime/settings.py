@@ -41,6 +41,10 @@ class Settings:
     usage_records: bool = True  # one JSON line per request on stdout
     usage_records_file: str = ""
     usage_records_format: str = "tally"  # tally | cloudevents
+    usage_records_url: str = ""  # deliver the records (CloudEvents batches) to this URL, through a spool
+    usage_records_token_file: str = ""  # a bearer token for it, read from this file
+    usage_records_spool: str = ""  # the spool file (default: next to the journal)
+    usage_records_spool_bytes: int = 64 << 20
     usage_source: str = ""  # the CloudEvents source; empty: tally-runtime/<host name>
     tenant_header: str = "X-Tally-Tenant"
     api_keys_file: str = ""  # empty: no keys (the tenant header or `user` names the tenant)
@@ -58,6 +62,8 @@ class Settings:
     trust_remote_code: bool = False
     log_level: str = "info"
     pod_uid: str = ""  # the operator sets it from the downward API
+    service_namespace: str = ""  # the CompletionService this runtime serves (the operator sets them): in records
+    service_name: str = ""
     final_read_key: str = ""  # the operator's Ed25519 public key (base64): only it may end the final-read wait
     engine_args: tuple[str, ...] = field(default=())  # passed through to SGLang
 
@@ -100,6 +106,11 @@ _HELP: dict[str, str] = {
     "counters (it posts them back to /internal/final-read); 0 exits at once",
     "usage_records": "write one JSON usage record per request to standard output (logs go to standard error)",
     "usage_records_file": "also append the usage records to this file",
+    "usage_records_url": "also deliver every record, as CloudEvents batches (application/cloudevents-batch+json, "
+                         "e.g. OpenMeter's /api/v1/events), to this http(s) URL, at least once, through a spool",
+    "usage_records_token_file": "a file holding the bearer token for --usage-records-url",
+    "usage_records_spool": "the delivery spool file (default: usage-records.spool next to --journal-path)",
+    "usage_records_spool_bytes": "records the spool may hold undelivered, in bytes; beyond, they are counted lost",
     "usage_records_format": "'tally' (plain tally.usage.v1 JSON lines) or 'cloudevents' (each record a CloudEvent, "
     "type dev.tally.usage.v1, id the response id, subject the tenant, data the record: what OpenMeter ingests)",
     "usage_source": "the CloudEvents source of the records (the operator sets /namespaces/<ns>/completionservices/"
@@ -129,6 +140,8 @@ _HELP: dict[str, str] = {
     "log_level": "uvicorn and runtime log level",
     "final_read_key": "the operator's Ed25519 public key (base64, the operator sets it): the final-read "
                       "acknowledgement must carry its signature, anything else gets 403",
+    "service_namespace": "the namespace of the CompletionService this runtime serves, in every usage record",
+    "service_name": "the name of the CompletionService this runtime serves, in every usage record",
     "pod_uid": "the uid of the pod this runtime serves in, exported as tally_runtime_info{pod_uid} so that a "
     "scraper can tell it reached the pod it meant (a pod IP can be reused)",
     "engine_args": "one extra SGLang server argument, by its full option name (repeat the flag for more; "
@@ -193,6 +206,13 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
 
 def validate(settings: Settings) -> str:
+    if settings.usage_records_url:
+        if not settings.usage_records_url.startswith(("http://", "https://")):
+            return "--usage-records-url must be an http:// or https:// URL"
+        if not (settings.usage_records_spool or settings.journal_path):
+            return "--usage-records-url needs --usage-records-spool (or --journal-path, whose directory it uses)"
+        if settings.usage_records_spool_bytes < 4096:
+            return "--usage-records-spool-bytes must be at least 4096"
     if settings.usage_records_format not in FORMATS:
         return f"--usage-records-format must be one of {', '.join(FORMATS)}, not {settings.usage_records_format!r}"
     if settings.engine not in ENGINES:

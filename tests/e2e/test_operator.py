@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from typing import Any
 
@@ -45,6 +46,40 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
+def test_the_chart_works_as_a_subchart_and_refuses_uncoordinated_replicas(kubectl: Kubectl, tmp_path: Any) -> None:
+    """Inside an umbrella chart (which may set globals), and never several operators without peering."""
+    umbrella = tmp_path / "platform"
+    (umbrella / "charts").mkdir(parents=True)
+    (umbrella / "Chart.yaml").write_text("apiVersion: v2\nname: platform\nversion: 0.1.0\n")
+    (umbrella / "values.yaml").write_text("global:\n  imageRegistry: registry.example\n"
+                                          "tally-operator:\n  replicaCount: 2\n")
+    shutil.copytree(CHART, umbrella / "charts" / "tally-operator")
+    nested = subprocess.run(["helm", "template", "p", str(umbrella)], env=kubectl.env, capture_output=True, text=True)
+    assert nested.returncode == 0, nested.stderr
+    assert "replicas: 2" in nested.stdout
+    alone = subprocess.run(["helm", "template", "t", str(CHART), "--set", "replicaCount=2", "--set",
+                            "peering.enabled=false"], env=kubectl.env, capture_output=True, text=True)
+    assert alone.returncode != 0 and "needs peering.enabled" in alone.stderr
+
+
+def test_namespace_users_get_completion_services_through_the_standard_roles(
+        operator: ChartOperator, kubectl: Kubectl, namespace: str) -> None:
+    """The chart's ClusterRoles aggregate into view, edit and admin: a RoleBinding to edit is all a team needs."""
+    kube = kubectl.in_namespace(namespace)
+    kube("create", "serviceaccount", "writer")
+    kube("create", "serviceaccount", "reader")
+    kube("create", "rolebinding", "writer", "--clusterrole=edit", f"--serviceaccount={namespace}:writer")
+    kube("create", "rolebinding", "reader", "--clusterrole=view", f"--serviceaccount={namespace}:reader")
+
+    def can(who: str, verb: str) -> str:
+        return kube("auth", "can-i", verb, "completionservices.serving.tally.dev",
+                    f"--as=system:serviceaccount:{namespace}:{who}", check=False).strip()
+
+    eventually(lambda: can("writer", "create") == "yes" and can("reader", "list") == "yes", 60, interval=1,
+               what="edit and view aggregating the chart's rules")
+    assert can("reader", "create") == "no" and can("writer", "delete") == "yes"
+
+
 def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperator, kubectl: Kubectl,
                                                            namespace: str) -> None:
     """A namespaced install: RBAC and peering in the watched namespace only. (The operator fixture installed
@@ -56,7 +91,7 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
     kinds = {(o["kind"], o["metadata"].get("namespace")) for o in objects}
     assert {("Role", namespace), ("RoleBinding", namespace), ("KopfPeering", namespace)} <= kinds
     assert ("ClusterKopfPeering", None) not in kinds
-    cluster_role = next(o for o in objects if o["kind"] == "ClusterRole")
+    cluster_role = next(o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "tally-team-a")
     assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
     names = {o["metadata"]["name"] for o in objects if o["kind"] not in {"Service", "Secret", "ClusterRole"}}
     assert names == {"tally-team-a", "tally-team-a-reach"}  # the operator's reach policy beside the others
@@ -75,6 +110,10 @@ def test_example_becomes_ready_with_gpu_pods(operator: ChartOperator, kube: Kube
     assert ready["reason"] == "AllReplicasReady"
     cs = kube.json("get", "completionservice", "smollm")
     assert cs["status"]["readyReplicas"] == 2 and cs["status"]["observedGeneration"] == cs["metadata"]["generation"]
+    assert cs["status"]["desiredReplicas"] == 2
+    columns = kube("get", "completionservice", "smollm").split("\n")[:2]
+    assert columns[0].split()[:4] == ["NAME", "READY", "PODS", "DESIRED"]
+    assert columns[1].split()[1:4] == ["True", "2", "2"]
     assert cs["status"]["endpoint"] == f"http://smollm.{namespace}.svc.cluster.local:8000/v1"
     dep = deployment(kube)
     container = dep["spec"]["template"]["spec"]["containers"][0]

@@ -83,6 +83,14 @@ def test_the_api_server_refuses_a_completion_service_that_is_more_than_a_service
     any_secret = forbidden()
     any_secret["spec"]["auth"] = {"apiKeysSecret": {"name": "db-password"}}
     assert "tally-api-keys" in refused_on_apply(kube, any_secret)
+    token_secret = forbidden()
+    token_secret["spec"]["usageRecords"] = {"delivery": {"url": "https://meter.example/api/v1/events",
+                                                         "tokenSecret": {"name": "db-password"}}}
+    assert "tally-usage-delivery" in refused_on_apply(kube, token_secret)
+    for name in ("a" * 64, "9-lives"):  # names its Service and pod label could never take
+        unusable = forbidden()
+        unusable["metadata"]["name"] = name
+        assert "DNS-1035 label of at most 63" in refused_on_apply(kube, unusable), name
     assert "smollm" not in kube("get", "completionservices", "-o", "name")
     allowed = forbidden(args=["--stream-interval=2", "--disable-radix-cache"])
     kube("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(allowed))  # what a service may pass is taken

@@ -88,3 +88,11 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
 {{- .Values._signingKey -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The operator image: [registry/]repository:tag[@digest]. */}}
+{{- define "tally-operator.image" -}}
+{{- $i := .Values.image -}}
+{{- $repo := ternary (printf "%s/%s" (trimSuffix "/" $i.registry) $i.repository) $i.repository (ne $i.registry "") -}}
+{{- $ref := printf "%s:%s" $repo ($i.tag | default .Chart.AppVersion) -}}
+{{- if $i.digest }}{{ printf "%s@%s" $ref $i.digest }}{{ else }}{{ $ref }}{{ end -}}
+{{- end -}}

@@ -72,3 +72,33 @@ def test_every_property_of_the_crd_declares_its_type() -> None:
 
     walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
     assert untyped == []
+
+
+def test_every_named_crd_field_is_described() -> None:
+    """`kubectl explain completionservice.<field>` has something to say for every field a user sees."""
+    import yaml
+
+    crd = yaml.safe_load((ROOT / "crds" / "serving.tally.dev_completionservices.yaml").read_text())
+    missing: list[str] = []
+
+    def walk(node: object, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        if path and "description" not in node and not path.endswith((".metadata", "[]", "{}")):
+            missing.append(path)
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.{key}")
+        walk(node.get("items"), f"{path}[]")
+        walk(node.get("additionalProperties"), f"{path}{{}}")
+
+    walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
+    assert not missing
+
+
+def test_every_dashboard_panel_says_what_it_shows_and_names_its_series() -> None:
+    dashboard = json.loads((CHART / "monitoring" / "dashboard.json").read_text())
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "namespace", "service"}
+    for panel in dashboard["panels"]:
+        assert panel.get("description"), panel["title"]
+        for target in panel["targets"]:
+            assert target.get("legendFormat") and "$service" in target["expr"], (panel["title"], target["expr"])

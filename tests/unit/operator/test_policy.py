@@ -131,3 +131,33 @@ def test_runtime_pods_get_the_operators_public_key_and_nothing_when_it_has_none(
 
     assert env(OperatorSettings(final_read_key="cHVibGlj"))["TALLY_FINAL_READ_KEY"] == "cHVibGlj"
     assert "TALLY_FINAL_READ_KEY" not in env(OperatorSettings())
+
+
+def test_runtime_pods_pull_with_the_secrets_the_chart_names() -> None:
+    meta = {"name": "s", "namespace": "n", "uid": "u"}
+    spec = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}})
+    pod = desired_deployment(meta, spec, OperatorSettings(runtime_image_pull_secrets=("registry", "mirror")))
+    assert pod["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}, {"name": "mirror"}]
+    assert "imagePullSecrets" not in desired_deployment(meta, spec, OperatorSettings())["spec"]["template"]["spec"]
+    settings = OperatorSettings.from_env({"TALLY_OPERATOR_RUNTIME_IMAGE_PULL_SECRETS": "registry, mirror"})
+    assert settings.runtime_image_pull_secrets == ("registry", "mirror")
+    args = pod["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--service-namespace") + 1] == "n" and args[args.index("--service-name") + 1] == "s"
+
+
+def test_record_delivery_reaches_the_pods_with_a_token_from_a_secret_that_opted_in() -> None:
+    meta = {"name": "s", "namespace": "n", "uid": "u"}
+    spec = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}, "usageRecords": {"delivery": {
+        "url": "https://meter.example/api/v1/events", "tokenSecret": {"name": "tally-usage-delivery-meter"}}}})
+    pod = desired_deployment(meta, spec, OperatorSettings())["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--usage-records-url") + 1] == "https://meter.example/api/v1/events"
+    assert args[args.index("--usage-records-token-file") + 1] == "/etc/tally/delivery/token"
+    assert "--usage-source=/namespaces/n/completionservices/s/pods/$(POD_NAME)" in args
+    volume = next(v for v in pod["volumes"] if v["name"] == "delivery")
+    assert volume["secret"] == {"secretName": "tally-usage-delivery-meter", "defaultMode": 0o400,
+                                "items": [{"key": "token", "path": "token"}]}
+    for bad, why in (({"url": "https://m", "tokenSecret": {"name": "db-password"}}, "tally-usage-delivery"),
+                     ({"url": "file:///etc/passwd"}, "http")):
+        with pytest.raises(SpecError, match=why):
+            parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}, "usageRecords": {"delivery": bad}})

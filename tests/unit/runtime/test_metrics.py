@@ -83,3 +83,13 @@ def test_token_histogram_exposes_what_prometheus_histogram_does() -> None:
     for key, value in expected.items():
         assert got[key] == pytest.approx(value), key
     assert got['x_seconds_bucket{le="0.02"}'] > got['x_seconds_bucket{le="0.01"}']
+
+
+def test_counters_export_no_created_series() -> None:
+    """Each counter once: a `_created` series per counter would double what every pod exports."""
+    from tally_runtime.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.record_request("completions", "ok", "length")
+    text = metrics.render().decode()
+    assert "tally_requests_total{" in text and "_created" not in text

@@ -58,3 +58,15 @@ def test_a_short_write_that_then_succeeds_writes_the_whole_record(
     sink.write(record("cmpl-1"))
     sink.close()
     assert json.loads(path.read_bytes())["id"] == "cmpl-1" and not sink.lost
+
+
+def test_records_name_the_service_a_meter_groups_by() -> None:
+    """Namespace and service as fields of their own (added within v1), not only inside a CloudEvent's source."""
+    import dataclasses
+    import json
+
+    named = dataclasses.replace(record("cmpl-1"), namespace="team-a", service="chat")
+    body = json.loads(named.to_line())
+    assert (body["schema"], body["namespace"], body["service"]) == ("tally.usage.v1", "team-a", "chat")
+    event = json.loads(named.to_cloudevent("/namespaces/team-a/completionservices/chat/pods/p"))
+    assert event["data"]["namespace"] == "team-a" and event["data"]["service"] == "chat"
