@@ -19,11 +19,14 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
 import orjson
 
 from tally_runtime.records import write_line
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("tally_runtime.delivery")
 
@@ -105,6 +108,8 @@ class Delivery:
         self.task = asyncio.get_running_loop().create_task(self.run())
 
     async def run(self) -> None:
+        import httpx  # only a runtime that delivers needs it
+
         backoff = 1.0
         async with httpx.AsyncClient(timeout=self.timeout, trust_env=False) as client:
             while True:
