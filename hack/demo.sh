@@ -37,9 +37,10 @@ up() {
   eval "$("$HACK/cluster.sh" env)"
   export KUBECONFIG PATH="$("$HACK/build.sh" --print):$PATH"
   log "installing the chart: the operator as 2 pods of its image"
-  # Helm installs CRDs but never upgrades them: a cluster that is already up gets the current one.
+  # Helm installs CRDs but never upgrades them: a cluster that is already up gets the current one, by kubectl,
+  # and Helm leaves CRDs alone (two field managers applying one CRD conflict)
   kubectl apply --server-side --force-conflicts -f "$ROOT/crds/serving.tally.dev_completionservices.yaml" >/dev/null
-  helm upgrade --install "$RELEASE" "$ROOT/charts/tally-operator" -n tally-system --create-namespace \
+  helm upgrade --install "$RELEASE" "$ROOT/charts/tally-operator" -n tally-system --create-namespace --skip-crds \
     --set replicaCount=2 --set statusIntervalSeconds=2 --wait --timeout 180s >/dev/null
   kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null
   kubectl apply -n "$NS" -f "$ROOT/crds/examples/smollm-cpu.yaml" >/dev/null

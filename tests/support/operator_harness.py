@@ -15,12 +15,13 @@ METRICS_PORT = 9090  # the chart's default metrics.port
 
 def install_chart(kubectl: Kubectl, replicas: int, *settings: str) -> None:
     """The chart, with `replicas` operator pods on the real node."""
-    # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one.
+    # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one, by
+    # kubectl, and Helm leaves CRDs alone (two field managers applying one CRD conflict)
     crd = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     sets = [arg for setting in (f"replicaCount={replicas}", *settings) for arg in ("--set", setting)]
     done = subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-                           *sets, "--wait", "--timeout", "180s"],
+                           "--skip-crds", *sets, "--wait", "--timeout", "180s"],
                           env=kubectl.env, capture_output=True, text=True, timeout=240)
     if done.returncode != 0:
         raise RuntimeError(f"helm upgrade failed: {done.stderr}")
