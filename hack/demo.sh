@@ -39,7 +39,7 @@ up() {
   log "installing the chart: the operator as 2 pods of its image"
   # Helm installs CRDs but never upgrades them: a cluster that is already up gets the current one, by kubectl,
   # and Helm leaves CRDs alone (two field managers applying one CRD conflict)
-  kubectl apply --server-side --force-conflicts -f "$ROOT/crds/serving.tally.dev_completionservices.yaml" >/dev/null
+  kubectl apply --server-side --force-conflicts -f "$ROOT/charts/tally-operator/crds" >/dev/null  # kopf's peering CRDs too
   helm upgrade --install "$RELEASE" "$ROOT/charts/tally-operator" -n tally-system --create-namespace --skip-crds \
     --set replicaCount=2 --set statusIntervalSeconds=2 --wait --timeout 180s >/dev/null
   kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null

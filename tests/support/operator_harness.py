@@ -17,8 +17,7 @@ def install_chart(kubectl: Kubectl, replicas: int, *settings: str) -> None:
     """The chart, with `replicas` operator pods on the real node."""
     # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one, by
     # kubectl, and Helm leaves CRDs alone (two field managers applying one CRD conflict)
-    crd = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
-    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))  # kopf's peering CRDs too
     sets = [arg for setting in (f"replicaCount={replicas}", *settings) for arg in ("--set", setting)]
     done = subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
                            "--skip-crds", *sets, "--wait", "--timeout", "180s"],
