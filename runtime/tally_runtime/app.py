@@ -138,12 +138,18 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     return app
 
 
+MAX_TOKEN_BYTES = 4096  # a bearer token; a larger file is read no further
+
+
 def start_delivery(settings: Settings, metrics_: Metrics) -> Delivery | None:
     """The records' delivery to --usage-records-url, its spool next to the journal unless named."""
     if not settings.usage_records_url:
         return None
     spool = Path(settings.usage_records_spool or Path(settings.journal_path).parent / "usage-records.spool")
-    token = Path(settings.usage_records_token_file).read_text().strip() if settings.usage_records_token_file else ""
+    token = ""
+    if settings.usage_records_token_file:
+        with Path(settings.usage_records_token_file).open("rb") as f:
+            token = f.read(MAX_TOKEN_BYTES).decode("utf-8", "replace").strip()
     delivery = Delivery(settings.usage_records_url, spool, token, settings.usage_records_spool_bytes,
                         on_lost=lambda: metrics_.records_lost.labels("delivery").inc(),
                         on_delivered=metrics_.records_delivered.inc)

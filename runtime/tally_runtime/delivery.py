@@ -81,7 +81,8 @@ class Delivery:
 
     def _read_offset(self) -> int:
         try:
-            offset = int(self.offset_path.read_text().strip() or 0)
+            with self.offset_path.open("rb") as f:
+                offset = int(f.read(32).strip() or 0)  # a decimal offset: anything longer is not ours
         except (OSError, ValueError):
             return 0  # unknown: send it all again (at least once)
         return offset if 0 <= offset <= self.size else 0
