@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tally_operator import constants as c
-from tally_operator.budget import BudgetConfig, Planned, budgets_status, plan_budgets, state_from_status
+from tally_operator.budget import (
+    BudgetConfig,
+    LeaseReport,
+    Planned,
+    budgets_status,
+    plan_budgets,
+    state_from_status,
+)
 from tally_operator.conditions import Condition, Verdict, find, transitions
 from tally_operator.observations import Observations, advance, following
 from tally_operator.status import build_status, without_times
@@ -65,7 +72,9 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
             budgets = plan_budgets(observed.budgets, ledger, booking.ledger,
                                    state_from_status(previous.get("budgets") or {}), observed.serving,
                                    datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
-                                   {uid: s.wanted for uid, s in observed.round.samples.items() if s.wanted})
+                                   {uid: s.wanted for uid, s in observed.round.samples.items() if s.wanted},
+                                   {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in observed.round.samples.items()
+                                    if s.lease_seq})
             fields["budgets"] = budgets_status(budgets, observed.budgets)
     status = build_status(previous, verdicts, now, observed.generation, fields)
     if observed.budgets_off:

@@ -10,11 +10,18 @@ beyond its last reading is at most `allowance - reading`, and the operator keeps
 
     spent this period + what every pod may still spend + what ended pods may have spent unread <= budget
 
-by granting only what is free under that bound, and never lowering an allowance it granted (a pod may have
-spent up to it since it was read). Leases are written into the status in the same compare-and-swap as the
-ledger, before any pod is told of them, so a restarted operator or a peer accounts for every lease that may
-be in use. A pod whose counters began again (a new epoch), or that ended without a final reading, may have
-spent its whole outstanding lease unread: that is counted against the budget (`lost`) for the period.
+by granting only what is free under that bound. Leases are written into the status in the same
+compare-and-swap as the ledger, before any pod is told of them, so a restarted operator or a peer accounts
+for every lease that may be in use. A pod whose counters began again (a new epoch), or that ended without a
+final reading, may have spent its whole outstanding lease unread: that is counted against the budget
+(`lost`) for the period.
+
+What the tenant has left is shared equally between the pods where it is active, every round, and no pod
+holds more than the budget divided by the serving pods (what a pod that ends unread takes with it). A pod holding
+more than its share is sent a lower allowance, but the status keeps counting the higher one (the pod may be
+spending under it) until the pod's /metrics show it applied that message (its `seq`, numbered above every
+earlier one) and what it may still reach under it: only then is the difference free to lease elsewhere.
+So an idle pod never keeps a budget from the pods where its tenant is asking.
 
 With a default budget, a tenant the ledger does not know yet has spent nothing: a pod refuses it and asks
 for it (`wanted`, from the pod's /metrics), and the next round leases it like any other. Rate limits are per
@@ -26,7 +33,7 @@ from __future__ import annotations
 import calendar
 import datetime
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tally_operator.samples import Counters
@@ -56,8 +63,18 @@ class BudgetConfig:
 @dataclass(frozen=True, slots=True)
 class PodLease:
     epoch: float
-    allowances: Mapping[str, int]  # tenant -> allowance on the pod's counter
+    allowances: Mapping[str, int]  # tenant -> the most the pod's counter may reach under any message it may apply
     starter: int | None = None  # the allowance of a tenant not listed: 0 (it asks for a lease), None (unlimited)
+    seq: int = 0  # the number of the last message sent to the pod
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReport:
+    """What a pod's /metrics say of its leases: the message it applied last, and per tenant the counter value
+    it may still reach."""
+
+    seq: int
+    reach: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +85,7 @@ class BudgetState:
     start: Mapping[str, int] = field(default_factory=dict)  # tenant -> counted ledger total when the period began
     lost: Mapping[str, int] = field(default_factory=dict)  # tenant -> leases that ended unread this period
     leases: Mapping[str, PodLease] = field(default_factory=dict)  # pod uid -> its lease
+    seq: int = 0  # the number of the last lease messages sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +95,7 @@ class TenantView:
     reserved: int  # what pods may still spend under their leases (and ended pods may have, unread)
     remaining: int
     tokens_per_minute: int | None
+    unspent: int = 0  # the budget less what was spent and lost: what the pods' leases share
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +122,15 @@ def period_of(now: datetime.datetime) -> tuple[str, float]:
 
 def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
                  serving: frozenset[str], now: datetime.datetime,
-                 wanted: Mapping[str, frozenset[str]] | None = None) -> Planned:
+                 wanted: Mapping[str, frozenset[str]] | None = None,
+                 reports: Mapping[str, LeaseReport] | None = None) -> Planned:
     """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
     period, period_end = period_of(now)
     start, lost = dict(state.start), dict(state.lost)
     if state.period != period:  # a new month: spend counts from here; leases still out count against it
         start = {t: counted(c, config.count) for t, c in after.tenants.items()}
         lost = {}
-    wanted = wanted or {}
+    wanted, reports = wanted or {}, reports or {}
     asked = {t for tenants in wanted.values() for t in tenants}
     known = set(after.tenants) | asked | {t for lease in state.leases.values() for t in lease.allowances}
     budgeted = sorted(set(config.tenants) | (known if config.default is not None else set()))[:MAX_ENTRIES]
@@ -130,8 +150,11 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
             if unread:
                 lost[tenant] = lost.get(tenant, 0) + unread
         del leases[uid]
+    # What each pod may reach: as recorded, or less where its /metrics show it applied our last message
+    leases = {uid: confirmed_lease(lease, after.readings.get(uid), reports.get(uid)) for uid, lease in leases.items()}
     views: dict[str, TenantView] = {}
     grants: dict[str, dict[str, int]] = {uid: {} for uid in serving if uid in after.readings}
+    counts: dict[str, dict[str, int]] = {uid: {} for uid in grants}  # what the status keeps counting
     for tenant in budgeted:
         budget = config.of(tenant)
         if budget is None or budget.monthly_tokens is None:
@@ -140,40 +163,56 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
         outstanding = {uid: _outstanding(lease, after.readings.get(uid), tenant, config.count)
                        for uid, lease in leases.items()}
         held = sum(outstanding.values()) + lost.get(tenant, 0)
-        free = budget.monthly_tokens - spent - held
-        cap = budget.monthly_tokens // max(1, len(grants))  # an idle pod holds at most its share of the budget
+        unspent = max(0, budget.monthly_tokens - spent - lost.get(tenant, 0))
+        free = max(0, budget.monthly_tokens - spent - held)
         # Only where the tenant is active (counted, asked for, or leased already): the status stays small
         active = [uid for uid in sorted(grants) if _active(uid, tenant, after.readings[uid], leases, wanted)]
-        share = free // len(active) if active and free > 0 else 0
-        for uid in active:
+        # Each its equal part of what is left, and at most its part of the budget: a pod that ends unread (its
+        # outstanding lease then lost for the month) never takes more than that with it
+        share = min(unspent // len(active), budget.monthly_tokens // len(grants)) if active else 0
+        for uid in active:  # takings back first: they free nothing until confirmed, but must not be given twice
             reading = after.readings[uid]
+            used = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
             have = outstanding.get(uid, 0)
-            more = min(share, max(0, cap - have))
-            base = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
-            granted = _allowance(leases.get(uid), reading, tenant)
-            grants[uid][tenant] = max(granted, base + have + more)
+            reach = used + have  # what the pod may reach now (at least its counter)
+            if have > share:
+                grants[uid][tenant], counts[uid][tenant] = used + share, reach
+        for uid in active:
+            if tenant in grants[uid]:
+                continue
+            reading = after.readings[uid]
+            used = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
+            have = outstanding.get(uid, 0)
+            more = min(share - have, free)
+            free -= more
             held += more
+            grants[uid][tenant] = counts[uid][tenant] = used + have + more
         views[tenant] = TenantView(budget.monthly_tokens, spent, held, max(0, budget.monthly_tokens - spent - held),
-                                   budget.tokens_per_minute)
+                                   budget.tokens_per_minute, unspent)
     starter = 0 if config.default is not None else None  # a tenant not listed asks for a lease
+    seq = max(state.seq + 1, int(now.timestamp() * 1000)) if grants else state.seq  # above any sent before
     messages: dict[str, dict[str, object]] = {}
     for uid, allowances in grants.items():
         reading = after.readings[uid]
         assert reading.epoch is not None
-        leases[uid] = PodLease(reading.epoch, allowances, starter)
-        messages[uid] = _message(uid, reading.epoch, config, allowances, starter, len(grants), period_end, views)
+        # Kept: the most the pod may reach (a message not applied yet may still raise it to the new count)
+        kept = {t: max(v, leases[uid].allowances.get(t, 0) if uid in leases and leases[uid].epoch == reading.epoch
+                       else 0) for t, v in counts[uid].items()}
+        leases[uid] = PodLease(reading.epoch, kept, starter, seq)
+        messages[uid] = _message(uid, reading.epoch, seq, config, allowances, starter, len(grants), period_end,
+                                 views)
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
                     if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
-    return Planned(BudgetState(period, start, lost, leases), views, messages, crossed)
+    return Planned(BudgetState(period, start, lost, leases, seq), views, messages, crossed)
 
 
-def _allowance(lease: PodLease | None, reading: Reading | None, tenant: str) -> int:
-    """What the pod may spend up to, as granted under the reading's epoch (0: nothing granted)."""
-    if lease is None or reading is None or lease.epoch != reading.epoch:
-        return 0
-    if tenant in lease.allowances:
-        return lease.allowances[tenant]
-    return lease.starter or 0
+def confirmed_lease(lease: PodLease, reading: Reading | None, report: LeaseReport | None) -> PodLease:
+    """The lease as the status counts it, lowered to what the pod reports it may reach once it applied the
+    last message sent to it (it applies none older than that, and no newer one exists)."""
+    if report is None or reading is None or reading.epoch != lease.epoch or report.seq != lease.seq or not lease.seq:
+        return lease
+    lowered = {t: min(v, report.reach[t]) if t in report.reach else v for t, v in lease.allowances.items()}
+    return replace(lease, allowances=lowered)
 
 
 def _outstanding(lease: PodLease, reading: Reading | None, tenant: str, count: str) -> int:
@@ -194,8 +233,8 @@ def _active(uid: str, tenant: str, reading: Reading, leases: Mapping[str, PodLea
         (lease is not None and lease.epoch == reading.epoch and tenant in lease.allowances)
 
 
-def _message(uid: str, epoch: float, config: BudgetConfig, allowances: Mapping[str, int], starter: int | None,
-             pods: int, period_end: float, views: Mapping[str, TenantView]) -> dict[str, object]:
+def _message(uid: str, epoch: float, seq: int, config: BudgetConfig, allowances: Mapping[str, int],
+             starter: int | None, pods: int, period_end: float, views: Mapping[str, TenantView]) -> dict[str, object]:
     """What the pod is told: every tenant it has an allowance for, every listed tenant (one with a budget but
     no allowance here gets 0 and asks), and what a tenant not listed gets (`starter`)."""
     def rate(tenant: str | None) -> int | None:
@@ -207,8 +246,9 @@ def _message(uid: str, epoch: float, config: BudgetConfig, allowances: Mapping[s
         view = views.get(tenant)
         allowance = allowances.get(tenant, 0 if view is not None else None)
         tenants[tenant] = {"allowance": allowance, "tokensPerMinute": rate(tenant),
-                           "exhausted": view is not None and view.remaining == 0}
-    return {"podUid": uid, "epoch": epoch, "count": config.count, "periodEnd": period_end, "tenants": tenants,
+                           "unspent": view.unspent if view is not None else None}
+    return {"podUid": uid, "epoch": epoch, "seq": seq, "count": config.count, "periodEnd": period_end,
+            "tenants": tenants,
             "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
 
 
@@ -224,13 +264,16 @@ def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
     return {
         "period": state.period, "count": config.count,
         "tenants": {t: {"budget": v.budget, "spent": v.spent, "reserved": v.reserved, "remaining": v.remaining,
+                        "unspent": v.unspent,
                         **({"tokensPerMinute": v.tokens_per_minute} if v.tokens_per_minute is not None else {})}
                     for t, v in sorted(planned.tenants.items())},
         "periodStart": dict(sorted(state.start.items())),
         "lost": dict(sorted(state.lost.items())),
-        "leases": [{"uid": uid, "epoch": lease.epoch, "tenants": dict(sorted(lease.allowances.items())),
+        "leases": [{"uid": uid, "epoch": lease.epoch, "seq": lease.seq,
+                    "tenants": dict(sorted(lease.allowances.items())),
                     **({"starter": lease.starter} if lease.starter is not None else {})}
                    for uid, lease in sorted(state.leases.items())],
+        "seq": state.seq,
     }
 
 
@@ -248,12 +291,14 @@ def state_from_status(raw: Mapping[str, object]) -> BudgetState:
     for item in raw_leases[:MAX_ENTRIES] if isinstance(raw_leases, list) else []:
         if isinstance(item, Mapping) and isinstance(item.get("uid"), str) and \
                 isinstance(item.get("epoch"), int | float) and not isinstance(item.get("epoch"), bool):
-            starter = item.get("starter")
+            starter, seq = item.get("starter"), item.get("seq")
             leases[str(item["uid"])] = PodLease(float(item["epoch"]), counts(item.get("tenants")),
-                                                starter if isinstance(starter, int) and starter >= 0 else None)
-    period = raw.get("period")
+                                                starter if isinstance(starter, int) and starter >= 0 else None,
+                                                seq if isinstance(seq, int) and not isinstance(seq, bool) else 0)
+    period, seq = raw.get("period"), raw.get("seq")
     return BudgetState(period if isinstance(period, str) else "", counts(raw.get("periodStart")),
-                       counts(raw.get("lost")), leases)
+                       counts(raw.get("lost")), leases,
+                       seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0)
 
 
 MAX_ENTRIES = 2000  # tenants or leases read from a status (the ledger keeps 1,001 tenants)

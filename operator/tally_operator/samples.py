@@ -68,6 +68,8 @@ class PodSample:
     load: Mapping[str, float] = field(default_factory=dict)  # autoscaling signals: gauge name -> value
     wanted: frozenset[str] = frozenset()  # tenants refused for want of a lease (budget.py grants them one)
     refusals: Mapping[str, float] = field(default_factory=dict)  # tenant -> 429s for its budget or rate, so far
+    lease_seq: int = 0  # the number of the lease message the pod applied last (0: none)
+    reach: Mapping[str, int] = field(default_factory=dict)  # tenant -> counter value the pod may still reach
 
     def acknowledgement(self) -> dict[str, float]:
         """The final counters as the runtime's final-read handshake expects them back (drain.py)."""
@@ -97,12 +99,13 @@ _TENANT_NAMES = {
     contract.sample_name(contract.TENANT_CACHED_TOKENS): "cached_tokens",
 }
 _READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO,
-         contract.DRAINING, contract.BUDGET_WANTED, contract.sample_name(contract.BUDGET_REFUSALS)}
+         contract.DRAINING, contract.BUDGET_WANTED, contract.sample_name(contract.BUDGET_REFUSALS),
+         contract.BUDGET_REACH, contract.BUDGET_SEQUENCE}
 
 
 MAX_LOAD = 1e9  # no pod queues or runs this many requests: a larger gauge is not to be scaled on
 MAX_COUNT = float(2**53)  # the largest counter read: every whole number up to it is exact in a float
-_COUNTS = {*_COUNTER_NAMES, *_TENANT_NAMES}
+_COUNTS = {*_COUNTER_NAMES, *_TENANT_NAMES, contract.BUDGET_SEQUENCE}
 
 
 class MetricsParseError(ValueError):
@@ -122,6 +125,8 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     all_requests = 0.0
     wanted: set[str] = set()
     refusals: dict[str, float] = {}
+    reach: dict[str, int] = {}
+    lease_seq = 0
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -149,6 +154,10 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                 elif sample.name == contract.sample_name(contract.BUDGET_REFUSALS):
                     tenant_name = sample.labels.get("tenant", "")
                     refusals[tenant_name] = refusals.get(tenant_name, 0.0) + sample.value
+                elif sample.name == contract.BUDGET_SEQUENCE:
+                    lease_seq = int(sample.value)
+                elif sample.name == contract.BUDGET_REACH:  # rounded up: a bound is never understated
+                    reach[sample.labels.get("tenant", "")] = math.ceil(min(sample.value, MAX_COUNT))
                 elif sample.name == contract.BUDGET_WANTED:
                     if sample.value > 0:
                         wanted.add(sample.labels.get("tenant", ""))
@@ -171,8 +180,10 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     mode = next((k for k, v in modes.items() if v == 1), "unknown")
     final = gauges.get(contract.DRAINING) == 1 and not gauges.get(contract.INFLIGHT_GENERATIONS) \
         and not gauges.get(contract.QUEUED_REQUESTS)
-    if len(wanted) > MAX_TENANTS_PER_POD or len(refusals) > MAX_TENANTS_PER_POD + 1:
-        raise MetricsParseError(f"{len(wanted)} tenants asking for a lease: more than {MAX_TENANTS_PER_POD}")
+    if len(wanted) > MAX_TENANTS_PER_POD or len(refusals) > MAX_TENANTS_PER_POD + 1 or \
+            len(reach) > 2 * MAX_TENANTS_PER_POD:
+        raise MetricsParseError(f"{max(len(wanted), len(refusals), len(reach))} tenants in the budget series: more "
+                                f"than a pod may report ({MAX_TENANTS_PER_POD})")
     if len(tenants) > MAX_TENANTS_PER_POD + 1:
         raise MetricsParseError(f"{len(tenants)} tenants: more than the {MAX_TENANTS_PER_POD} a pod may report")
     per_tenant = {t: Counters(**counts) for t, counts in tenants.items()}
@@ -187,7 +198,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
         if not value <= MAX_LOAD:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
     return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load,
-                     frozenset(wanted), refusals)
+                     frozenset(wanted), refusals, lease_seq, reach)
 
 
 def _check(name: str, value: float, count: bool) -> None:

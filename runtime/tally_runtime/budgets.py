@@ -13,10 +13,18 @@ operator keeps the leases of all pods within the tenant's budget.
 
 Before the operator's first lease message a pod serves nobody (429, Retry-After: 1). A tenant the message
 does not list is unlimited when the service has no default budget, else it has no allowance yet. A request
-that does not fit its tenant's allowance here is refused: with `insufficient_quota` when the operator said
-the tenant's budget is all spent or leased (`exhausted`), otherwise with `rate_limit_exceeded` and
-Retry-After: 1, and the tenant is asked for: `tally_budget_wanted_tokens{tenant}` on /metrics, which the
-operator reads with the counters and answers with more allowance in its next round, if the budget has it.
+that does not fit its tenant's allowance here is refused: with `insufficient_quota` when it does not fit in
+what the tenant has left of its budget anywhere (`unspent` in the message, less what this pod spent and
+reserved since), otherwise with `rate_limit_exceeded` and Retry-After: 1, and the tenant is asked for:
+`tally_budget_wanted_tokens{tenant}` on /metrics, which the operator reads with the counters and answers
+with more allowance in its next round, if the budget has it.
+
+Lease messages are numbered (`seq`); a pod applies only a number above the last it applied, so a late
+message never undoes a newer one. An allowance may go down (the operator takes back what an idle pod
+holds, to lease it where the tenant is asking); requests already admitted keep their reservations. So what
+the pod may still reach is `max(allowance, counter + reserved)`, which only falls until the next message:
+it is on /metrics (`tally_budget_allowance_tokens`) with the number of the message applied
+(`tally_budget_lease_sequence`), and that is how the operator learns it may count the lower allowance.
 The state lives on the event loop only.
 """
 
@@ -33,16 +41,22 @@ from tally_runtime.protocol import ApiError
 
 WINDOW_SECONDS = 60.0
 MAX_WANTED = 1000  # tenants asked for at once (the operator reads at most this many per pod)
+WANTED_SECONDS = 300.0  # an ask not answered in this long is dropped (the tenant asks again when refused)
 COUNTS = ("total", "completion", "prompt")
 QUOTA_CODE = "insufficient_quota"
 RATE_CODE = "rate_limit_exceeded"
+
+
+class StaleLease(ValueError):
+    """A lease message numbered at or below the last one applied."""
 
 
 @dataclass(frozen=True, slots=True)
 class Lease:
     allowance: float | None = None  # counter value the tenant may spend up to (None: no budget)
     tokens_per_minute: float | None = None  # this pod's share of the rate (None: no rate limit)
-    exhausted: bool = False  # the tenant's whole budget is spent or leased: no more to ask for this period
+    unspent: float | None = None  # what the tenant had left of its budget when the message was made
+    counter_at: float = 0.0  # the tenant's counter here when the message was applied
 
 
 @dataclass(slots=True)
@@ -63,8 +77,9 @@ class Budgets:
     epoch: float = 0.0
     leases: dict[str, Lease] = field(default_factory=dict)
     starter: Lease = field(default_factory=Lease)  # for tenants the lease message does not list
-    wanted: dict[str, float] = field(default_factory=dict)  # unlisted tenants refused: leases to ask for
+    wanted: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (tokens, when): to ask for
     leased: bool = False  # a lease message arrived: until then every request is refused
+    seq: int = 0  # the number of the last lease message applied
     reserved: dict[str, float] = field(default_factory=dict)
     window: dict[str, collections.deque[Reservation]] = field(default_factory=dict)
     period_end: float = 0.0  # unix seconds: when a spent budget is renewed (x-ratelimit-reset-tokens)
@@ -82,17 +97,19 @@ class Budgets:
         lease = self.lease(tenant)
         reserved = self.reserved.get(tenant, 0.0)
         if lease.allowance is not None:
-            remaining = lease.allowance - self.counter(tenant) - reserved
-            if tokens > remaining and not lease.exhausted:  # asked for: the next round may lease more
-                if len(self.wanted) < MAX_WANTED or tenant in self.wanted:
-                    self.wanted[tenant] = max(self.wanted.get(tenant, 0.0), tokens)
-                self._refuse(tenant, RATE_CODE, "Not enough token allowance for this tenant on this replica; more is "
-                             "asked for: retry shortly", limit=lease.allowance, remaining=remaining, reset=1.0)
-            if tokens > remaining:
+            counter = self.counter(tenant)
+            remaining = lease.allowance - counter - reserved
+            anywhere = math.inf if lease.unspent is None else lease.unspent - (counter - lease.counter_at) - reserved
+            if tokens > remaining and tokens > anywhere:
                 self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
-                             f"tokens reserved for it, {max(0.0, remaining):.0f} left here)",
+                             f"tokens reserved for it, {max(0.0, anywhere):.0f} left)",
                              limit=lease.allowance, remaining=remaining,
                              reset=max(1.0, self.period_end - time.time()) if self.period_end else 60.0)
+            if tokens > remaining:  # asked for: the next round may lease more here
+                if len(self.wanted) < MAX_WANTED or tenant in self.wanted:
+                    self.wanted[tenant] = (max(self.wanted.get(tenant, (0.0, 0.0))[0], tokens), now)
+                self._refuse(tenant, RATE_CODE, "Not enough token allowance for this tenant on this replica; more is "
+                             "asked for: retry shortly", limit=lease.allowance, remaining=remaining, reset=1.0)
         reservation = Reservation(tenant, tokens, now, tokens)
         if lease.tokens_per_minute is not None:
             recent = self._recent(tenant, now)
@@ -126,24 +143,42 @@ class Budgets:
             return None
         return max(0.0, allowance - self.counter(tenant) - self.reserved.get(tenant, 0.0))
 
+    def reach(self, tenant: str) -> float | None:
+        """The counter value this pod may still reach for a listed tenant: its allowance, or more if requests
+        admitted under an earlier, higher one still hold reservations. Only falls until the next message."""
+        allowance = self.lease(tenant).allowance
+        if allowance is None:
+            return None
+        return max(allowance, self.counter(tenant) + self.reserved.get(tenant, 0.0))
+
+    def asking(self, now: float | None = None) -> dict[str, float]:
+        """Tenants refused here for want of allowance, and the most each asked for (recent asks only)."""
+        now = time.monotonic() if now is None else now
+        self.wanted = {t: ask for t, ask in self.wanted.items() if ask[1] > now - WANTED_SECONDS}
+        return {t: tokens for t, (tokens, _) in self.wanted.items()}
+
     def apply(self, message: Mapping[str, Any], epoch: float) -> None:
         """A lease message from the operator (signature checked by the route): for this process's epoch
-        only; an allowance only ever rises within one epoch (a late message never takes back a newer one)."""
+        only, and numbered above the last one applied (else StaleLease: a late message changes nothing)."""
         if message.get("epoch") != epoch:
             raise ValueError("the leases are for another epoch of this pod's counters")
+        seq = message.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq < 2**63:
+            raise ValueError("seq must be a positive integer")
+        if seq <= self.seq:
+            raise StaleLease(f"lease message {seq} is not newer than {self.seq}, the last applied")
         count = message.get("count", "total")
         if count not in COUNTS:
             raise ValueError(f"count must be one of {COUNTS}")
         tenants = message.get("tenants") or {}
         if not isinstance(tenants, Mapping):
             raise ValueError("tenants must be an object")
-        leases = {str(name): _lease(raw) for name, raw in tenants.items()}
-        for name, lease in leases.items():
-            before = self.leases.get(name)
-            if before is not None and before.allowance is not None and lease.allowance is not None:
-                leases[name] = Lease(max(before.allowance, lease.allowance), lease.tokens_per_minute, lease.exhausted)
-        self.count, self.leases, self.starter = str(count), leases, _lease(message.get("starter") or {})
-        self.wanted = {}  # answered: a tenant still short asks again on its next refusal
+        leases = {str(name): _lease(raw, self.counter(str(name))) for name, raw in tenants.items()}
+        starter = _lease(message.get("starter") or {}, 0.0)
+        self.count, self.leases, self.starter, self.seq = str(count), leases, starter, seq
+        # Answered: a tenant now leased something to spend here, or with nothing left anywhere, asks no more
+        self.wanted = {t: ask for t, ask in self.wanted.items()
+                       if not ((t in leases and (self.remaining(t) or 0.0) > 0) or leases.get(t, starter).unspent == 0)}
         period_end = message.get("periodEnd")
         self.period_end = float(period_end) if isinstance(period_end, int | float) else 0.0
         self.leased = True
@@ -174,16 +209,16 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
-def _lease(raw: object) -> Lease:
+def _lease(raw: object, counter: float) -> Lease:
     if not isinstance(raw, Mapping):
         raise ValueError("a lease must be an object")
-    allowance, rate = raw.get("allowance"), raw.get("tokensPerMinute")
-    for value in (allowance, rate):
+    allowance, rate, unspent = raw.get("allowance"), raw.get("tokensPerMinute"), raw.get("unspent")
+    for value in (allowance, rate, unspent):
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0
                                   or not math.isfinite(value)):
-            raise ValueError("allowance and tokensPerMinute must be non-negative numbers")
+            raise ValueError("allowance, tokensPerMinute and unspent must be non-negative numbers")
     return Lease(None if allowance is None else float(allowance), None if rate is None else float(rate),
-                 raw.get("exhausted") is True)
+                 None if unspent is None else float(unspent), counter)
 
 
 def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, count: str) -> float:

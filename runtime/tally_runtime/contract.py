@@ -35,6 +35,8 @@ RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not writ
 STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading
 BUDGET_REMAINING = f"{PREFIX}_budget_remaining_tokens"  # gauge{tenant}: what this pod's lease leaves the tenant
 BUDGET_WANTED = f"{PREFIX}_budget_wanted_tokens"  # gauge{tenant}: refused for want of a lease: asks for one
+BUDGET_REACH = f"{PREFIX}_budget_allowance_tokens"  # gauge{tenant}: the counter value the pod may still reach
+BUDGET_SEQUENCE = f"{PREFIX}_budget_lease_sequence"  # gauge: the number of the lease message applied
 BUDGET_REFUSALS = f"{PREFIX}_budget_refusals"  # counter{tenant,code}: 429s, insufficient_quota or rate_limit_exceeded
 CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its cap) or client (before auth)
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every

@@ -73,6 +73,11 @@ class Metrics:
                                          registry=r)
         self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "
                                       "under its lease (counted as the budget counts them)", ["tenant"], registry=r)
+        self.budget_reach = Gauge(contract.BUDGET_REACH, "The tenant's counter value this pod may still reach: its "
+                                  "allowance, or more while requests admitted under a higher one run", ["tenant"],
+                                  registry=r)
+        self.budget_sequence = Gauge(contract.BUDGET_SEQUENCE, "The number of the operator's lease message this pod "
+                                     "applied last", registry=r)
         self.budget_wanted = Gauge(contract.BUDGET_WANTED, "Tenants refused for want of a lease: the operator grants "
                                    "one in its next round", ["tenant"], registry=r)
         self.budget_refusals = Counter(contract.BUDGET_REFUSALS, "Requests refused with 429 for the tenant's budget "

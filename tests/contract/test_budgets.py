@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,19 @@ from typing import Any
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from runtime_harness import free_port, metric_value, runtime_process, until
+from runtime_harness import free_port, metric_value, runtime_process, sse_payloads, until
 
 PROMPT = {"prompt": "Say something:", "max_tokens": 8, "ignore_eos": True}
 
 
+SEQ = itertools.count(1)
+
+
 def post_leases(http: httpx.Client, key: Ed25519PrivateKey, tenants: dict[str, Any], **more: Any) -> httpx.Response:
+    """A lease message as the operator posts it, numbered above the last (unless `seq` says otherwise)."""
     epoch = metric_value(http.get("/metrics").text, "tally_start_time_seconds")
-    raw = json.dumps({"epoch": epoch, "count": "total", "tenants": tenants, **more}, sort_keys=True).encode()
+    message = {"epoch": epoch, "count": "total", "tenants": tenants, "seq": next(SEQ), **more}
+    raw = json.dumps(message, sort_keys=True).encode()
     return http.post("/internal/budgets", content=raw,
                      headers={"X-Tally-Signature": base64.b64encode(key.sign(raw)).decode()})
 
@@ -50,8 +56,8 @@ def test_exactly_the_requests_a_budget_covers_are_served_and_the_spend_is_the_en
         assert post_leases(http, operator, {"probe": {"allowance": 1_000}}).status_code == 200
         probe = call(url, "probe", PROMPT).json()["usage"]
         cost = probe["prompt_tokens"] + probe["completion_tokens"]  # what each request reserves and bills
-        # the whole budget leased to this pod: nothing more to ask for (the operator says so: exhausted)
-        assert post_leases(http, operator, {"acme": {"allowance": 10 * cost, "exhausted": True},
+        # the whole budget leased to this pod: nothing more to ask for (the operator says so: unspent)
+        assert post_leases(http, operator, {"acme": {"allowance": 10 * cost, "unspent": 10 * cost},
                                             "probe": {"allowance": 1_000}},
                            starter={"allowance": 10 * cost}).status_code == 200
 
@@ -159,3 +165,38 @@ def test_reservations_all_come_back_when_clients_leave_while_queued_granted_or_s
             return metric_value(text, "tally_inflight_generations") == 0 and \
                 metric_value(text, "tally_budget_remaining_tokens", {"tenant": "acme"}) == 1_000_000 - billed
         assert until(settled, 60), "a reservation was kept after its request ended"
+
+
+def test_a_lowered_allowance_keeps_what_was_admitted_and_a_late_message_changes_nothing(tmp_path: Path) -> None:
+    """The operator takes back an allowance while a request admitted under it streams: the stream finishes,
+    nothing new is admitted, and /metrics say the pod may still reach its counter plus that reservation
+    (what the operator counts until the stream ends), under the message's number. A message numbered below
+    it (late, from an earlier round) is refused with 409 and changes nothing."""
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator)) as (_, url), \
+            httpx.Client(base_url=url, timeout=60) as http:
+        assert post_leases(http, operator, {"acme": {"allowance": 100_000}}).status_code == 200
+        body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.Client(base_url=url, timeout=120) as client, \
+                client.stream("POST", "/v1/completions", json=body, headers={"X-Tally-Tenant": "acme"}) as stream:
+            chunks = stream.iter_bytes()
+            received = [next(chunks)]
+            lowered = post_leases(http, operator, {"acme": {"allowance": 0, "unspent": 50_000}}, seq=10**6)
+            assert lowered.status_code == 200 and lowered.json()["seq"] == 10**6
+            text = http.get("/metrics").text
+            reach = metric_value(text, "tally_budget_allowance_tokens", {"tenant": "acme"})
+            assert metric_value(text, "tally_budget_lease_sequence") == 10**6
+            assert reach >= 200  # its reservation: prompt and 200 tokens, not yet billed
+            late = post_leases(http, operator, {"acme": {"allowance": 100_000}}, seq=10**6 - 1)
+            assert late.status_code == 409 and late.json()["error"]["code"] == "stale_lease"
+            refused = call(url, "acme", PROMPT)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+            received.extend(chunks)
+        billed = sse_payloads(b"".join(received))[-2]["usage"]["total_tokens"]
+
+        def settled() -> bool:  # what it may reach is what it spent: nothing in flight, allowance 0
+            return metric_value(http.get("/metrics").text, "tally_budget_allowance_tokens", {"tenant": "acme"}) \
+                == billed
+        assert until(settled, 30), "the pod's reach did not come down to its counter once the stream ended"
+        assert billed <= reach

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -94,13 +95,15 @@ def raw_exchange(url: str, data: bytes, pause: float = 0.0) -> bytes:
         if not pause:
             sock.sendall(data)
         for i in range(len(data) if pause else 0):
-            if select.select([sock], [], [], 0)[0]:  # answered already: stop writing, read the answer
-                break
             sock.sendall(data[i:i + 1])
-            time.sleep(pause)
+            # Wait for the answer rather than sleep: a byte written after the server closed would reset the
+            # connection, and its answer with it
+            if select.select([sock], [], [], pause)[0]:
+                break
         chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
+        with contextlib.suppress(ConnectionResetError):  # what arrived before a reset is the answer
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
     return b"".join(chunks)
 
 

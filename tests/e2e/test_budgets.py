@@ -38,17 +38,27 @@ def test_a_tenants_requests_over_two_pods_never_spend_more_than_its_budget(
     ips = [p["status"]["podIP"] for p in pods]
     served: list[httpx.Response] = []
 
+    answers: list[str] = []
+
     def leased(ip: str, tenant: str) -> bool:
         """Until the operator's first lease reaches a pod, it serves nobody; a budgeted tenant then asks for its
         own (429, Retry-After: 1) and is served from the next round on."""
         reply = call(ip, tenant)
         if tenant == "acme" and reply.status_code == 200:
             served.append(reply)
+        answers[:] = [f"{ip} {tenant}: {reply.status_code} {reply.text[:300]}"]
         return reply.status_code == 200
+
+    def until_leased(ip: str, tenant: str) -> None:
+        try:
+            eventually(lambda: leased(ip, tenant), 180, interval=1, what=f"{tenant} leased on {ip}")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; the pod's last answer: {answers}; status.budgets: "
+                                 f"{status(kube).get('budgets')}") from None
 
     for ip in ips:
         for tenant in ("zeta", "acme"):
-            eventually(lambda ip=ip, t=tenant: leased(ip, t), 180, interval=1, what=f"{tenant} leased on {ip}")
+            until_leased(ip, tenant)
 
     # A stream of acme's in flight when its pod is deleted: it finishes, and the pod's final read books it
     body = {"model": MODEL, "prompt": "Write a long story:", "max_tokens": 40, "ignore_eos": True, "stream": True,
@@ -69,7 +79,7 @@ def test_a_tenants_requests_over_two_pods_never_spend_more_than_its_budget(
     pods = eventually(replaced, 180, interval=1, what="a replacement pod serving")
     ips = [p["status"]["podIP"] for p in pods]
     for ip in ips:
-        eventually(lambda ip=ip: leased(ip, "zeta"), 180, interval=1, what=f"a lease on {ip}")
+        until_leased(ip, "zeta")
 
     # acme's bursts over both pods, until the budget is spent; zeta's requests meanwhile
     others: list[httpx.Response] = []

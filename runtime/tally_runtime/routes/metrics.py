@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tally_runtime import contract, handoff
+from tally_runtime.budgets import StaleLease
 from tally_runtime.protocol import ApiError
 from tally_runtime.respond import error_response, json_response, read_body
 from tally_runtime.serving import Server
@@ -23,14 +24,18 @@ MAX_LEASE_BYTES = 256 << 10  # 1,000 tenants' leases, with room
 async def metrics(request: Request) -> Response:
     server: Server = request.app.state.server
     budgets = server.budgets
-    if budgets is not None:
+    if budgets is not None:  # one consistent picture: nothing else runs on the loop while it is taken
+        metrics = server.metrics
+        for gauge in (metrics.budget_remaining, metrics.budget_reach, metrics.budget_wanted):
+            gauge.clear()
         for tenant in budgets.leases:
-            remaining = budgets.remaining(tenant)
-            if remaining is not None:
-                server.metrics.budget_remaining.labels(tenant).set(remaining)
-        server.metrics.budget_wanted.clear()
-        for tenant, tokens in budgets.wanted.items():
-            server.metrics.budget_wanted.labels(tenant).set(tokens)
+            remaining, reach = budgets.remaining(tenant), budgets.reach(tenant)
+            if remaining is not None and reach is not None:
+                metrics.budget_remaining.labels(tenant).set(remaining)
+                metrics.budget_reach.labels(tenant).set(reach)
+        metrics.budget_sequence.set(budgets.seq)
+        for tenant, tokens in budgets.asking().items():
+            metrics.budget_wanted.labels(tenant).set(tokens)
     body = server.metrics.render(server.engine.own_metrics(), settled=server.done)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -78,6 +83,8 @@ async def budgets(request: Request) -> Response:
         if key is not None and pod_uid and message.get("podUid") != pod_uid:
             return error_response(ApiError(403, "The leases name another pod", code="forbidden"))
         server.budgets.apply(message, server.metrics.totals.epoch)
+    except StaleLease as err:
+        return error_response(ApiError(409, f"Not applied: {err}", code="stale_lease"))
     except (orjson.JSONDecodeError, ValueError) as err:
         return error_response(ApiError(400, f"Not a lease message: {err}"))
-    return json_response({"status": "applied", "tenants": len(server.budgets.leases)})
+    return json_response({"status": "applied", "seq": server.budgets.seq, "tenants": len(server.budgets.leases)})

@@ -11,68 +11,105 @@ from typing import Any
 
 from tally_operator.budget import (
     BudgetConfig,
+    LeaseReport,
+    Planned,
+    PodLease,
     TenantBudget,
     budgets_status,
+    confirmed_lease,
     counted,
     plan_budgets,
     state_from_status,
 )
 from tally_operator.samples import Counters, PodSample
-from tally_operator.usage import Ledger, Round, book, ledger_from_status, ledger_status
+from tally_operator.usage import Ledger, Reading, Round, book, ledger_from_status, ledger_status
 
 NOW = datetime.datetime(2026, 12, 5, 12, 0, tzinfo=datetime.UTC)
 
 
 class Pod:
-    """A runtime as budgets.py admits: a request fits if the tenant's counter plus its cost is within the
-    lease (the lease of a tenant not listed is the starter; no lease message yet: nothing fits)."""
+    """A runtime as budgets.py admits: a request fits if the tenant's counter, what its requests in flight
+    reserved and its cost stay within the lease (no lease message yet: nothing fits). Requests stay in flight
+    for a while and bill at most what they reserved; lease messages apply only if numbered above the last,
+    and may lower an allowance; /metrics say what the pod may still reach under the message it applied."""
 
     def __init__(self, uid: str, epoch: float, count: str = "total") -> None:
         self.uid, self.epoch, self.count = uid, epoch, count
         self.tenants: dict[str, Counters] = {}
-        self.leases: dict[str, float | None] | None = None
+        self.leases: dict[str, dict[str, Any]] | None = None
         self.starter: float | None = None
+        self.seq = 0
+        self.counter_at: dict[str, int] = {}
         self.wanted: set[str] = set()
-        self.exhausted: dict[str, bool] = {}
+        self.inflight: list[tuple[str, int, int]] = []  # (tenant, reserved, billed when it ends)
+
+    def counter(self, tenant: str) -> int:
+        return counted(self.tenants.get(tenant), self.count)
+
+    def reserved(self, tenant: str) -> int:
+        return sum(cost for t, cost, _ in self.inflight if t == tenant)
 
     def allowance(self, tenant: str) -> float | None:
         assert self.leases is not None
-        return self.leases.get(tenant, self.starter) if tenant in self.leases else self.starter
+        lease = self.leases.get(tenant)
+        return lease["allowance"] if lease is not None else self.starter
 
-    def serve(self, tenant: str, cost: int, billed: int) -> int:
+    def serve(self, tenant: str, cost: int, billed: int) -> bool:
+        """Admit a request (it bills when it ends) or refuse it."""
         if self.leases is None:
-            return 0
-        have = self.tenants.get(tenant, Counters())
+            return False
         allowance = self.allowance(tenant)
-        if allowance is not None and counted(have, self.count) + cost > allowance:
-            if not self.exhausted.get(tenant, False):
+        counter, reserved = self.counter(tenant), self.reserved(tenant)
+        if allowance is not None and counter + reserved + cost > allowance:
+            unspent = (self.leases.get(tenant) or {}).get("unspent")
+            anywhere = None if unspent is None else unspent - (counter - self.counter_at.get(tenant, 0)) - reserved
+            if anywhere is None or cost <= anywhere:
                 self.wanted.add(tenant)  # refused for want of allowance here: asks for more
-            return 0
-        self.tenants[tenant] = have.plus(Counters(requests=1, prompt_tokens=billed // 2,
-                                                  completion_tokens=billed - billed // 2))
+            return False
+        self.inflight.append((tenant, cost, billed))
+        return True
+
+    def settle(self, rng: random.Random, share: float = 0.5) -> dict[str, int]:
+        """Some requests in flight end, billing what they generated: what each tenant was billed."""
+        billed: dict[str, int] = {}
+        ending = [r for r in self.inflight if rng.random() < share]
+        for request in ending:
+            self.inflight.remove(request)
+            tenant, _, tokens = request
+            self.tenants[tenant] = self.tenants.get(tenant, Counters()).plus(
+                Counters(requests=1, prompt_tokens=tokens // 2, completion_tokens=tokens - tokens // 2))
+            billed[tenant] = billed.get(tenant, 0) + tokens
         return billed
 
-    def apply(self, message: dict[str, Any]) -> None:
-        if message["epoch"] != self.epoch:
-            return
-        leases = {t: lease["allowance"] for t, lease in message["tenants"].items()}
-        for tenant, before in (self.leases or {}).items():  # an allowance only rises within an epoch
-            if before is not None and leases.get(tenant) is not None:
-                leases[tenant] = max(before, leases[tenant])
-        self.leases, self.starter = leases, message["starter"]["allowance"]
-        self.exhausted = {t: bool(lease.get("exhausted")) for t, lease in message["tenants"].items()}
+    def apply(self, message: dict[str, Any]) -> bool:
+        if message["epoch"] != self.epoch or message["seq"] <= self.seq:
+            return False
+        self.leases, self.starter, self.seq = dict(message["tenants"]), message["starter"]["allowance"], message["seq"]
+        self.counter_at = {t: self.counter(t) for t in self.leases}
         self.wanted = set()
+        return True
 
     def sample(self, final: bool = False) -> PodSample:
         totals = Counters()
         for counters in self.tenants.values():
             totals = totals.plus(counters)
+        reach = {t: max(lease["allowance"], self.counter(t) + self.reserved(t))
+                 for t, lease in (self.leases or {}).items() if lease["allowance"] is not None}
         return PodSample(totals, "incremental", None, self.epoch, final, dict(self.tenants), pod_uid=self.uid,
-                         wanted=frozenset(self.wanted))
+                         wanted=frozenset(self.wanted), lease_seq=self.seq, reach=reach)
 
 
 def round_trip(status: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(status))
+
+
+def plan(config: BudgetConfig, before: Ledger, after: Ledger, budgets: dict[str, Any], serving: frozenset[str],
+         samples: dict[str, PodSample], later: int = 0) -> Planned:
+    """A round as reconcile.py plans it, from the samples it read (`later` seconds on)."""
+    return plan_budgets(config, before, after, state_from_status(budgets), serving,
+                        NOW + datetime.timedelta(seconds=later),
+                        {uid: sample.wanted for uid, sample in samples.items()},
+                        {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in samples.items() if s.lease_seq})
 
 
 def test_no_tenant_ever_spends_more_than_its_budget_across_pods_that_die_restart_and_miss_scrapes() -> None:
@@ -84,32 +121,44 @@ def test_no_tenant_ever_spends_more_than_its_budget_across_pods_that_die_restart
     spent = dict.fromkeys(tenants, 0)
     usage: dict[str, Any] = {}
     budgets: dict[str, Any] = {}
+    late: list[tuple[str, dict[str, Any]]] = []
     next_pod = 3
     for step in range(400):
         for pod in pods.values():
+            for tenant, billed in pod.settle(rng).items():
+                spent[tenant] += billed
             for _ in range(rng.randint(0, 4)):
                 tenant = rng.choice(tenants[: 2 + step // 60])  # new tenants appear over time
                 cost = rng.randint(1, 300)
-                spent[tenant] += pod.serve(tenant, cost, rng.randint(1, cost))
+                pod.serve(tenant, cost, rng.randint(1, cost))
         event = rng.random()
-        if event < 0.05:  # a pod killed unread: what it spent since its last reading is real, never booked
-            del pods[rng.choice(sorted(pods))]
-            pods[f"p{next_pod}"] = Pod(f"p{next_pod}", float(next_pod))
-            next_pod += 1
-        elif event < 0.08:  # a runtime begins its counters again (new epoch), forgetting its leases
+        if event < 0.08:  # a pod killed, or restarted: what it served since its last reading is never booked
             victim = pods[rng.choice(sorted(pods))]
-            victim.epoch, victim.tenants, victim.leases = victim.epoch + 0.5, {}, None
+            for tenant, _, billed in victim.inflight:  # its clients got (up to) this much
+                spent[tenant] += billed
+            if event < 0.05:
+                del pods[victim.uid]
+                pods[f"p{next_pod}"] = Pod(f"p{next_pod}", float(next_pod))
+                next_pod += 1
+            else:  # a runtime begins its counters again (new epoch), forgetting its leases
+                victim.epoch, victim.tenants, victim.leases, victim.seq, victim.inflight = \
+                    victim.epoch + 0.5, {}, None, 0, []
         samples = {uid: pod.sample() for uid, pod in pods.items() if rng.random() < 0.85}
         before = ledger_from_status(usage)
         booking = book(before, Round(samples, frozenset(pods) - set(samples), present=frozenset(pods)))
         serving = frozenset(uid for uid in pods if rng.random() < 0.9)
-        wanted = {uid: sample.wanted for uid, sample in samples.items()}
-        planned = plan_budgets(config, before, booking.ledger, state_from_status(budgets), serving, NOW, wanted)
+        planned = plan(config, before, booking.ledger, budgets, serving, samples)
         usage = round_trip(ledger_status(booking.ledger))
+        if rng.random() < 0.1:  # a peer's write on the same state lands first: its messages, not ours
+            planned = plan(config, before, booking.ledger, budgets, serving, samples, later=1)
         budgets = round_trip(budgets_status(planned, config))
-        for uid, message in planned.messages.items():
-            if rng.random() < 0.9:  # some lease messages are lost
+        late.extend(planned.messages.items())
+        rng.shuffle(late)
+        for _ in range(rng.randint(0, len(late))):  # messages arrive late, out of order, or never
+            uid, message = late.pop()
+            if uid in pods and rng.random() < 0.9:
                 pods[uid].apply(round_trip(message))
+        del late[50:]
         for tenant in tenants:
             limit = config.of(tenant)
             assert limit is not None and limit.monthly_tokens is not None
@@ -125,15 +174,18 @@ def test_an_active_tenant_can_spend_nearly_its_whole_budget() -> None:
     usage: dict[str, Any] = {}
     budgets: dict[str, Any] = {}
     spent = 0
+    rng = random.Random(0)
     for _ in range(200):
         for pod in pods.values():
+            spent += sum(pod.settle(rng, share=1.0).values())
             for _ in range(5):
-                spent += pod.serve("acme", 40, 40)
+                pod.serve("acme", 40, 40)
+        for pod in pods.values():  # all ended before the last reading
+            spent += sum(pod.settle(rng, share=1.0).values())
         before = ledger_from_status(usage)
         samples = {uid: p.sample() for uid, p in pods.items()}
         booking = book(before, Round(samples, present=frozenset(pods)))
-        planned = plan_budgets(config, before, booking.ledger, state_from_status(budgets), frozenset(pods), NOW,
-                               {uid: sample.wanted for uid, sample in samples.items()})
+        planned = plan(config, before, booking.ledger, budgets, frozenset(pods), samples)
         usage, budgets = round_trip(ledger_status(booking.ledger)), round_trip(budgets_status(planned, config))
         for uid, message in planned.messages.items():
             pods[uid].apply(round_trip(message))
@@ -148,14 +200,71 @@ def test_a_new_month_starts_the_spend_again_and_crossings_are_reported_once() ->
     pod = Pod("a", 1.0, count="completion")
     ledger, state = Ledger(), state_from_status({})
     crossings = []
+    rng = random.Random(0)
     for day in (datetime.datetime(2026, 11, 30, 23, 59, tzinfo=datetime.UTC),) * 12 + (NOW,) * 3:
         pod.serve("acme", 10, 20)  # 10 completion tokens each (the other 10 are prompt, not counted)
+        pod.settle(rng, share=1.0)
         sample = pod.sample()
         booking = book(ledger, Round({"a": sample}))
-        planned = plan_budgets(config, ledger, booking.ledger, state, frozenset({"a"}), day, {"a": sample.wanted})
+        planned = plan_budgets(config, ledger, booking.ledger, state, frozenset({"a"}), day, {"a": sample.wanted},
+                               {"a": LeaseReport(sample.lease_seq, sample.reach)})
         crossings += [(planned.state.period, mark) for _, mark in planned.crossed]
         ledger, state = booking.ledger, planned.state
         for message in planned.messages.values():
             pod.apply(message)
     assert crossings == [("2026-11", 0.8), ("2026-11", 1.0)]
     assert state.period == "2026-12" and planned.tenants["acme"].spent <= 100
+
+
+def test_an_idle_pods_allowance_is_taken_back_only_once_it_says_it_applied_the_lower_one() -> None:
+    """One pod was leased the whole budget while it alone served; a second pod's tenant then asks. The idle
+    pod is sent a lower allowance, but the freed part is leased elsewhere only once the idle pod's /metrics
+    report that message's number: a report of an earlier message (the lower one still on its way) frees
+    nothing, since the pod may yet spend under what it holds."""
+    config = BudgetConfig("total", None, {"acme": TenantBudget(monthly_tokens=900)})
+    a, b = Pod("a", 1.0), Pod("b", 1.0)
+    usage: dict[str, Any] = {}
+    budgets: dict[str, Any] = {}
+
+    def round_of(pods: dict[str, Pod], deliver: frozenset[str] = frozenset("ab")) -> Planned:
+        nonlocal usage, budgets
+        before = ledger_from_status(usage)
+        samples = {uid: p.sample() for uid, p in pods.items()}
+        booking = book(before, Round(samples, present=frozenset(pods)))
+        planned = plan(config, before, booking.ledger, budgets, frozenset(pods), samples, later=len(usage))
+        usage, budgets = round_trip(ledger_status(booking.ledger)), round_trip(budgets_status(planned, config))
+        for uid, message in planned.messages.items():
+            if uid in deliver:
+                pods[uid].apply(round_trip(message))
+        return planned
+
+    both = {"a": a, "b": b}
+    round_of({"a": a})
+    assert not a.serve("acme", 10, 10) and a.wanted == {"acme"}  # asks
+    round_of({"a": a})
+    assert a.allowance("acme") == 900  # alone: all of it
+    lowering = round_of(both, deliver=frozenset("b"))  # b appears; a is to give back half, not told yet
+    assert lowering.messages["a"]["tenants"]["acme"]["allowance"] == 450  # type: ignore[index]
+    assert lowering.tenants["acme"].reserved == 900  # a still counted whole
+    assert not b.serve("acme", 10, 10) and b.wanted == {"acme"}
+    assert b.leases is not None and b.leases["acme"]["unspent"] == 900  # not spent: it asks, not refused for good
+    for _ in range(2):  # a reports the message before: nothing freed for b
+        again = round_of(both, deliver=frozenset("b"))
+        assert again.tenants["acme"].reserved == 900 and b.allowance("acme") == 0
+    assert round_of(both).tenants["acme"].reserved == 900  # delivered now; confirmed in the next round
+    assert a.allowance("acme") == 450 and b.allowance("acme") == 0
+    freed = round_of(both)
+    assert b.allowance("acme") == 450 and freed.tenants["acme"].reserved == 900
+    assert b.serve("acme", 10, 10)
+
+
+def test_a_pods_report_lowers_what_is_counted_only_for_the_last_message_sent_to_it() -> None:
+    """A pod reporting an earlier message may still apply the last one (a raise on its way): its report says
+    nothing of what it may reach then. Only a report of the last message, on the same epoch, lowers the count
+    (never raises it)."""
+    lease = PodLease(1.0, {"acme": 900, "zeta": 50}, None, seq=7)
+    reading = Reading(Counters(), 1.0)
+    assert confirmed_lease(lease, reading, LeaseReport(6, {"acme": 450})) == lease
+    assert confirmed_lease(lease, Reading(Counters(), 2.0), LeaseReport(7, {"acme": 450})) == lease
+    lowered = confirmed_lease(lease, reading, LeaseReport(7, {"acme": 450, "zeta": 80}))
+    assert lowered.allowances == {"acme": 450, "zeta": 50}

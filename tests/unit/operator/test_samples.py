@@ -142,3 +142,18 @@ def test_budget_refusals_and_tenants_asking_for_a_lease_are_read_per_tenant() ->
     assert sample.refusals == {"acme": 5} and sample.wanted == {"newbie"}
     with pytest.raises(MetricsParseError, match="not negative"):
         parse_sample(METRICS + '# TYPE tally_budget_wanted_tokens gauge\ntally_budget_wanted_tokens{tenant="x"} -1\n')
+
+
+def test_what_a_pod_may_reach_under_its_leases_is_read_with_the_message_number_and_bounded() -> None:
+    text = (METRICS + "# TYPE tally_budget_lease_sequence gauge\ntally_budget_lease_sequence 1764936000123\n"
+            "# TYPE tally_budget_allowance_tokens gauge\n"
+            'tally_budget_allowance_tokens{tenant="acme"} 450.5\ntally_budget_allowance_tokens{tenant="zeta"} 0\n')
+    sample = parse_sample(text)
+    assert sample.lease_seq == 1764936000123 and sample.reach == {"acme": 451, "zeta": 0}  # rounded up
+    for bad, why in (("tally_budget_lease_sequence 1.5", "whole number"), ("tally_budget_lease_sequence -1", "not neg"),
+                     ('tally_budget_allowance_tokens{tenant="a"} NaN', "finite")):
+        with pytest.raises(MetricsParseError, match=why):
+            parse_sample(METRICS + f"# TYPE {bad.split()[0].split('{')[0]} gauge\n{bad}\n")
+    many = "".join(f'tally_budget_allowance_tokens{{tenant="t{i}"}} 1\n' for i in range(2001))
+    with pytest.raises(MetricsParseError, match="tenants in the budget series"):
+        parse_sample(METRICS + "# TYPE tally_budget_allowance_tokens gauge\n" + many)
