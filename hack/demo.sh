@@ -37,10 +37,10 @@ up() {
   eval "$("$HACK/cluster.sh" env)"
   export KUBECONFIG PATH="$("$HACK/build.sh" --print):$PATH"
   log "installing the chart: the operator as 2 pods of its image"
-  # Helm installs CRDs but never upgrades them: a cluster that is already up gets the current one, by kubectl,
-  # and Helm leaves CRDs alone (two field managers applying one CRD conflict)
-  kubectl apply --server-side --force-conflicts -f "$ROOT/charts/tally-operator/crds" >/dev/null  # kopf's peering CRDs too
-  helm upgrade --install "$RELEASE" "$ROOT/charts/tally-operator" -n tally-system --create-namespace --skip-crds \
+  # The CompletionService CRD is part of the release and upgraded with it; --take-ownership adopts one a
+  # cluster got from an earlier chart (0.1 installed it from crds/, which Helm never upgrades)
+  helm upgrade --install "$RELEASE" "$ROOT/charts/tally-operator" -n tally-system --create-namespace \
+    --take-ownership --force-conflicts \
     --set replicaCount=2 --set statusIntervalSeconds=2 --wait --timeout 180s >/dev/null
   kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null
   kubectl apply -n "$NS" -f "$ROOT/crds/examples/smollm-cpu.yaml" >/dev/null

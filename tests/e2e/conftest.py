@@ -9,12 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from kube_harness import Kubectl, cluster_down, cluster_env, cluster_is_up, node_ctr
-from operator_harness import ChartOperator, install_chart
-
-OPERATOR_REPLICAS = 2
-# Fast intervals, and a policy widened for what the suite needs: kwok's taint and the contract fake's image.
-SUITE_SETTINGS = ("statusIntervalSeconds=1", "reconcileIntervalSeconds=3",
-                  "policy.allowedTolerationKeys={kwok.x-k8s.io/node}", "policy.allowedImages={tally-runtime-fakes:*}")
+from operator_harness import OPERATOR_REPLICAS, SUITE_SETTINGS, ChartOperator, install_chart
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from kube_harness import ROOT, Kubectl, container_id, eventually, in_cluster, node_ctr
@@ -11,16 +12,19 @@ CHART = ROOT / "charts" / "tally-operator"
 RELEASE = "tally-operator"
 NAMESPACE = "tally-system"
 METRICS_PORT = 9090  # the chart's default metrics.port
+OPERATOR_REPLICAS = 2  # the e2e session's operator: two pods, peering
+# Fast intervals, and a policy widened for what the suite needs: kwok's taint and the contract fake's image.
+SUITE_SETTINGS = ("statusIntervalSeconds=1", "reconcileIntervalSeconds=3",
+                  "policy.allowedTolerationKeys={kwok.x-k8s.io/node}", "policy.allowedImages={tally-runtime-fakes:*}")
 
 
-def install_chart(kubectl: Kubectl, replicas: int, *settings: str) -> None:
-    """The chart, with `replicas` operator pods on the real node."""
-    # Helm installs CRDs but never upgrades them: a cluster left up from an older run gets the current one, by
-    # kubectl, and Helm leaves CRDs alone (two field managers applying one CRD conflict)
-    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))  # kopf's peering CRDs too
+def install_chart(kubectl: Kubectl, replicas: int, *settings: str, chart: Path = CHART) -> None:
+    """The chart (or another version of it), with `replicas` operator pods on the real node."""
+    # The CompletionService CRD is part of the release (templates/crds.yaml), upgraded with it. A cluster left up
+    # from an older run may hold one applied by kubectl: Helm takes it over, and its fields
     sets = [arg for setting in (f"replicaCount={replicas}", *settings) for arg in ("--set", setting)]
-    done = subprocess.run(["helm", "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-                           "--skip-crds", *sets, "--wait", "--timeout", "180s"],
+    done = subprocess.run(["helm", "upgrade", "--install", RELEASE, str(chart), "-n", NAMESPACE, "--create-namespace",
+                           "--take-ownership", "--force-conflicts", *sets, "--wait", "--timeout", "180s"],
                           env=kubectl.env, capture_output=True, text=True, timeout=240)
     if done.returncode != 0:
         raise RuntimeError(f"helm upgrade failed: {done.stderr}")

@@ -13,7 +13,7 @@ CHART = ROOT / "charts" / "tally-operator"
 
 def test_chart_crd_is_the_canonical_crd() -> None:
     canonical = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
-    assert (CHART / "crds" / canonical.name).read_bytes() == canonical.read_bytes()
+    assert (CHART / "files" / "crds" / canonical.name).read_bytes() == canonical.read_bytes()
 
 
 def test_values_docs_schema_and_readme_are_generated_from_the_values_comments() -> None:
