@@ -39,6 +39,9 @@ T = TypeVar("T")
 Response = Callable[[ResponseHeader, Sequence[ChoiceResult], dict[str, Any]], dict[str, Any]]
 INLINE_TOKENIZE_CHARS = 16_384  # inputs up to this size are tokenized on the event loop (microseconds)
 MAX_LOGGED_FIELDS = 8
+# Other servers' ways to constrain the output: refused, never ignored (the client would pay for unconstrained text)
+OTHER_CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag", "guided_json", "guided_regex",
+                     "guided_grammar", "guided_choice", "guided_decoding_backend", "grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +111,11 @@ class Preparer:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         for ids in prompts:
             self._check_context(len(ids), max_tokens, "prompt")
-        return self._job(COMPLETIONS, req, prompts, texts, max_tokens, req.logprobs, req.echo)
+        return self._job(COMPLETIONS, req, prompts, texts, max_tokens, req.logprobs, req.echo, self._constraint(req))
 
     async def chat(self, req: ChatCompletionRequest) -> Job:
         self._check_common(req)
+        check_tools(req)
         self._check_generations(req.n)
         if len(req.messages) > self.info.context_length:
             # Every chat template writes at least one token of markup per message: refused before the
@@ -124,7 +128,7 @@ class Preparer:
         max_tokens = limit if limit is not None else self.info.context_length - len(ids)
         self._check_context(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False)
+        return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False, self._constraint(req))
 
     async def _off_loop(self, size: int, work: Callable[[Any], T], argument: Any) -> T:
         if size <= INLINE_TOKENIZE_CHARS:
@@ -157,11 +161,37 @@ class Preparer:
             raise ApiError(400, "stream_options can only be set when stream is true", param="stream_options")
         if req.model_extra and req.model_extra.get("logit_bias"):
             raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+        for name in OTHER_CONSTRAINTS:
+            if req.model_extra and req.model_extra.get(name) is not None:
+                raise ApiError(400, f"{name} is not supported by this server: constrain the output with "
+                                    "response_format (json_object or json_schema)", param=name)
         unknown = req.unknown_fields()
         if unknown:  # client-chosen names: escaped and bounded, so none can forge a log line
             shown = ", ".join(repr(name[:64]) for name in unknown[:MAX_LOGGED_FIELDS])
             more = f" and {len(unknown) - MAX_LOGGED_FIELDS} more" if len(unknown) > MAX_LOGGED_FIELDS else ""
             log.info("Ignoring unsupported request fields %s%s", shown, more)
+
+    def _constraint(self, req: SamplingRequest) -> str | None:
+        """The JSON schema `response_format` asks for, compiled by the engine's own grammar backend here, so
+        a schema it cannot compile is a 400 before anything is admitted or billed."""
+        if req.response_format is None:
+            return None
+        try:
+            schema = req.response_format.schema_text()
+        except ValueError as err:
+            raise ApiError(400, f"Invalid response_format: {err}", param="response_format",
+                           code="invalid_value") from None
+        if schema is None:
+            return None
+        for name, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
+            if value:  # the grammar ends the output where the JSON ends: it cannot also be made to go on
+                raise ApiError(400, f"{name} cannot be combined with a JSON response_format", param=name)
+        try:
+            self.engine.check_json_schema(schema)
+        except ValueError as err:
+            raise ApiError(400, f"The response_format schema cannot be used: {str(err)[:300]}",
+                           param="response_format", code="invalid_value") from None
+        return schema
 
     def _check_generations(self, generations: int) -> None:
         if generations > self.limit:
@@ -195,12 +225,14 @@ class Preparer:
             )
 
     def _job(self, endpoint: Endpoint, req: SamplingRequest, prompts: tuple[tuple[int, ...], ...],
-             texts: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool) -> Job:
+             texts: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool,
+             json_schema: str | None) -> Job:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=req.stop_list(), presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             ignore_eos=req.ignore_eos, min_tokens=min(req.min_tokens, max_tokens), logprobs=logprobs,
+            json_schema=json_schema,
         )
         options = req.stream_options
         header = ResponseHeader(f"{endpoint.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model)
@@ -210,6 +242,21 @@ class Preparer:
             include_usage=bool(options and options.include_usage) or self.force_include_usage,
             continuous_usage=bool(options and options.continuous_usage_stats), user=req.user,
         )
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Tool calls are not built yet: a request that needs them is a 400 naming what, never plain text billed
+    as if it were a call (a `tool_choice` of `none`, or tools with `none`, is fine: the output is text)."""
+    choice = req.tool_choice
+    if choice is not None and req.tools is None:
+        raise ApiError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+    if req.tools and choice != "none":
+        raise ApiError(400, "Tool calls are not supported by this server yet; send tool_choice: \"none\" to get "
+                            "text", param="tools")
+    for i, message in enumerate(req.messages):
+        if message.tool_calls:
+            raise ApiError(400, "Tool calls in the conversation are not supported by this server yet",
+                           param=f"messages.{i}.tool_calls")
 
 
 def prompt_items(prompt: Any) -> list[str | list[int]]:

@@ -57,6 +57,38 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+MAX_SCHEMA_BYTES = 64 << 10  # a response_format schema, as JSON: compiled into a grammar per request
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output is constrained to (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        text = orjson.dumps(self.json_schema.schema_ or {}).decode()
+        if len(text) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"the schema is {len(text)} bytes as JSON; at most {MAX_SCHEMA_BYTES} are accepted")
+        return text
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat. Unknown fields are accepted (benchmark clients send them)."""
 
@@ -77,6 +109,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -126,6 +159,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused until tool calls are built (never silently dropped)
 
     def text(self) -> str:
         if self.content is None:
@@ -141,6 +175,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -12,11 +12,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from runtime_harness import free_port, metric_value, sse_payloads, until
 from sglang_harness import ENGINE_ARG_FLAGS, ENGINE_ARGS, MODEL, sglang_env, start, stop
 
@@ -226,3 +227,44 @@ def test_a_message_cannot_forge_role_tokens(sglang_url: str) -> None:
             "prompt_tokens"])
 
     assert prompt_tokens("Hello there<|im_start|>") - prompt_tokens("Hello there") > 1
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    population: int
+    coastal: bool
+    continent: Literal["Africa", "Asia", "Europe", "America", "Oceania"]
+
+
+def test_a_pydantic_response_format_is_constrained_by_sglangs_grammar_and_billed_as_counted(sglang_url: str) -> None:
+    """SGLang's xgrammar backend constrains the output: 20 of 20 parse, streamed or not, and what the clients
+    were told sums to what /metrics counted. A schema xgrammar cannot compile is a 400 before admission."""
+    client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused", max_retries=0)
+    messages: Any = [{"role": "user", "content": "Describe a large city as JSON."}]
+
+    def counted() -> list[float]:
+        text = httpx.get(f"{sglang_url}/metrics").text
+        return [metric_value(text, "tally_requests_total", {"outcome": "ok"}),
+                metric_value(text, "tally_prompt_tokens_total"), metric_value(text, "tally_completion_tokens_total")]
+
+    before, told = counted(), [0, 0, 0]
+    for i in range(20):
+        if i % 2:
+            reply = client.chat.completions.parse(model="smollm2-135m-instruct", messages=messages,
+                                                  response_format=City, max_tokens=120, temperature=0.8)
+        else:
+            with client.chat.completions.stream(model="smollm2-135m-instruct", messages=messages,
+                                                response_format=City, max_tokens=120, temperature=0.8,
+                                                stream_options={"include_usage": True}) as stream:
+                for _ in stream:
+                    pass
+                reply = stream.get_final_completion()
+        assert isinstance(reply.choices[0].message.parsed, City), reply.choices[0].message.content
+        assert reply.usage is not None
+        told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+    assert [a - b for a, b in zip(counted(), before, strict=True)] == told
+    bad = httpx.post(f"{sglang_url}/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
+    assert "nope" in bad.json()["error"]["message"]

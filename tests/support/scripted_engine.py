@@ -62,6 +62,9 @@ class ScriptedEngine:
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         return " ".join(m["content"] for m in messages)
 
+    def check_json_schema(self, schema: str) -> None:
+        """Any schema is accepted: this engine generates what its script says."""
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         index = int(request.request_id.split(".")[1])
         aborted = self.aborts.setdefault(index, asyncio.Event())

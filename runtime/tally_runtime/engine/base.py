@@ -46,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of alternatives per token; None = no logprobs
+    json_schema: str | None = None  # the output is constrained to JSON matching it (the engine's grammar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +231,11 @@ class Engine(Protocol):
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt text for a chat conversation, with the model's template and generation prompt."""
+        ...
+
+    def check_json_schema(self, schema: str) -> None:
+        """Raise ValueError, saying why, if the engine's grammar backend cannot constrain output to `schema`
+        (JSON text). Called before a request is admitted; the engine compiles it again when it generates."""
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta] | ItemStream:

@@ -159,6 +159,16 @@ class LlamaCppEngine:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return str(self._template(messages=list(messages)).prompt)
 
+    def check_json_schema(self, schema: str) -> None:
+        """llama.cpp's own converter to a GBNF grammar, and its grammar parser over this model's vocabulary."""
+        from llama_cpp import llama_cpp
+
+        grammar = _gbnf(schema)
+        sampler = llama_cpp.llama_sampler_init_grammar(self._pool[0]._model.vocab, grammar.encode(), b"root")
+        if not sampler:
+            raise ValueError("llama.cpp could not parse the grammar it made of the schema")
+        llama_cpp.llama_sampler_free(sampler)
+
     # ---- generation
 
     def abort(self, request_id: str) -> None:
@@ -231,11 +241,16 @@ class LlamaCppEngine:
         step = _Step()
         generated = [0]
         hook = self._logits_hook(params, step, generated)
+        grammar = None
+        if params.json_schema is not None:  # checked at admission (check_json_schema): it converts
+            from llama_cpp.llama_grammar import LlamaGrammar
+
+            grammar = LlamaGrammar.from_string(_gbnf(params.json_schema), verbose=False)
         tokens = llama.generate(
             prompt, top_k=max(params.top_k, 0), top_p=params.top_p, min_p=0.0, typical_p=1.0,
             temp=params.temperature, repeat_penalty=params.repetition_penalty,
             frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-            logits_processor=[hook] if hook else None,
+            logits_processor=[hook] if hook else None, grammar=grammar,
         )
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stops = StopMatcher(params.stop)
@@ -301,6 +316,16 @@ class LlamaCppEngine:
         if token in self._eog:
             return ""
         return bytes(llama.detokenize([token])).decode("utf-8", errors="replace")
+
+
+def _gbnf(schema: str) -> str:
+    """The GBNF grammar llama.cpp's converter makes of a JSON schema (ValueError: it cannot)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        return str(json_schema_to_gbnf(schema))
+    except Exception as err:  # the converter raises whatever it meets (KeyError, TypeError, ValueError...)
+        raise ValueError(f"llama.cpp cannot make a grammar of it: {type(err).__name__}: {err}") from None
 
 
 def _join_all(threads: Sequence[threading.Thread]) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import importlib.metadata
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation
 log = logging.getLogger("tally_runtime.engine.sglang")
 
 PROBE_TOKENS = 8
+XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+: ")  # "[22:46:54] /project/cpp/json_schema_converter.cc:4175: "
 PROBE_TIMEOUT_SECONDS = 120.0
 
 
@@ -56,6 +58,8 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         out["stop"] = list(params.stop)
     if params.seed is not None:
         out["sampling_seed"] = params.seed
+    if params.json_schema is not None:  # SGLang's grammar backend (xgrammar by default) constrains it
+        out["json_schema"] = params.json_schema
     return out
 
 
@@ -213,6 +217,23 @@ class SGLangEngine:
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         return str(self._tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
+
+    def check_json_schema(self, schema: str) -> None:
+        """What SGLang's scheduler would do with it, done before admission: xgrammar (its default grammar
+        backend) compiles the schema; another backend compiles it when the request runs."""
+        backend = getattr(getattr(self._engine, "server_args", None), "grammar_backend", "xgrammar")
+        if backend == "none":
+            raise ValueError("this server's SGLang runs without a grammar backend (--grammar-backend none)")
+        if backend not in (None, "xgrammar"):
+            return
+        try:
+            xgrammar = importlib.import_module("xgrammar")
+        except ImportError:
+            return
+        try:
+            xgrammar.Grammar.from_json_schema(schema)
+        except Exception as err:  # xgrammar raises RuntimeError prefixed with a time and its source file
+            raise ValueError(XGRAMMAR_PREFIX.sub("", str(err)).strip()) from None
 
     # ---- generation
 

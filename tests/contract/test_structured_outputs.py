@@ -1,0 +1,119 @@
+"""Structured outputs on the embedded CPU model, as the `openai` SDK asks for them: `response_format` with a
+pydantic model (json_schema, strict) and `json_object`, constrained by llama.cpp's own grammar, never checked
+after the fact; what the engine cannot do (a schema it cannot compile, tool calls, other servers' constraint
+fields) is a 400 naming the parameter, with nothing billed. Usage stays the engine's count: what the clients
+were told sums to what /metrics counted."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from runtime_harness import metric_value, runtime_process
+
+CALLS = 20
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    population: int
+    coastal: bool
+    continent: Literal["Africa", "Asia", "Europe", "America", "Oceania"]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("structured") / "rt.log"
+    with runtime_process(log, "--max-concurrent-generations", "2") as (_, base):
+        yield base
+
+
+def counted(url: str) -> tuple[float, float, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return (metric_value(text, "tally_requests_total", {"outcome": "ok"}),
+            metric_value(text, "tally_prompt_tokens_total"), metric_value(text, "tally_completion_tokens_total"))
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Describe a large city as JSON."}]
+
+
+def test_a_pydantic_response_format_parses_every_time_streamed_or_not_and_is_billed_as_counted(url: str) -> None:
+    before = counted(url)
+    told = [0, 0, 0]
+    for i in range(CALLS):
+        if i % 2:
+            reply = client(url).chat.completions.parse(model="smollm2-135m-instruct", messages=MESSAGES,
+                                                       response_format=City, max_tokens=120, temperature=0.8)
+        else:
+            with client(url).chat.completions.stream(model="smollm2-135m-instruct", messages=MESSAGES,
+                                                     response_format=City, max_tokens=120, temperature=0.8,
+                                                     stream_options={"include_usage": True}) as stream:
+                for _ in stream:
+                    pass
+                reply = stream.get_final_completion()
+        parsed = reply.choices[0].message.parsed
+        assert isinstance(parsed, City), reply.choices[0].message.content
+        assert reply.usage is not None
+        told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+    after = counted(url)
+    assert [a - b for a, b in zip(after, before, strict=True)] == told
+
+
+def test_json_object_on_both_endpoints_is_an_object(url: str) -> None:
+    for _ in range(3):
+        chat = client(url).chat.completions.create(
+            model="smollm2-135m-instruct", messages=MESSAGES, response_format={"type": "json_object"},
+            max_tokens=200, temperature=0.8)
+        if chat.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+        completion = client(url).completions.create(
+            model="smollm2-135m-instruct", prompt="A city as JSON:", max_tokens=200, temperature=0.8,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                "name": "city", "schema": City.model_json_schema()}}})
+        assert completion.choices[0].finish_reason == "stop"
+        City.model_validate_json(completion.choices[0].text)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.1.tool_calls"),
+    ({"regex": "[0-9]+"}, "regex"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+])
+def test_what_the_engine_cannot_do_is_a_400_naming_it_and_nothing_is_billed(url: str, body: dict[str, Any],
+                                                                            param: str) -> None:
+    before = httpx.get(f"{url}/metrics").text
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"model": "smollm2-135m-instruct", "messages": MESSAGES, "max_tokens": 8, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    after = httpx.get(f"{url}/metrics").text
+    for name in ("tally_prompt_tokens_total", "tally_completion_tokens_total"):
+        assert metric_value(after, name) == metric_value(before, name)
+
+
+def test_tools_with_tool_choice_none_are_answered_with_text(url: str) -> None:
+    reply = client(url).chat.completions.create(
+        model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=8, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
