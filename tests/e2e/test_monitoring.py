@@ -129,3 +129,11 @@ def test_the_chart_renders_its_monitoring_objects_only_when_asked(kubectl: Kubec
     dashboard = objects["ConfigMap"]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["tally.json"]) == json.loads((MONITORING / "dashboard.json").read_text())
+    # Runbook links, when the README's address is given: each alert to its own row of the README's alert table
+    base = "https://git.example.com/tally/README.md"
+    rule = {o["kind"]: o for o in render(*enabled, f"monitoring.prometheusRule.runbookUrl={base}")}["PrometheusRule"]
+    readme = (ROOT / "README.md").read_text()
+    for group in rule["spec"]["groups"]:
+        for alert in group["rules"]:
+            link = alert["annotations"]["runbook_url"]
+            assert link == f"{base}#{alert['alert'].lower()}" and f'<a id="{alert["alert"].lower()}"></a>' in readme
