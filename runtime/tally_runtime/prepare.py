@@ -22,8 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
+
 from tally_runtime.engine.base import Engine, EngineInfo, GenerationRequest, SamplingParams
-from tally_runtime.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tally_runtime.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from tally_runtime.streaming import (
     ChatChunks,
     ChoiceResult,
@@ -32,11 +34,12 @@ from tally_runtime.streaming import (
     chat_response,
     completion_response,
 )
+from tally_runtime.tools import ToolPlan, plan_tools
 
 log = logging.getLogger("tally_runtime.prepare")
 T = TypeVar("T")
 
-Response = Callable[[ResponseHeader, Sequence[ChoiceResult], dict[str, Any]], dict[str, Any]]
+Response = Callable[[ResponseHeader, Sequence[ChoiceResult], dict[str, Any], ToolPlan | None], dict[str, Any]]
 INLINE_TOKENIZE_CHARS = 16_384  # inputs up to this size are tokenized on the event loop (microseconds)
 MAX_LOGGED_FIELDS = 8
 # Other servers' ways to constrain the output: refused, never ignored (the client would pay for unconstrained text)
@@ -74,6 +77,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool
     user: str | None = None  # the OpenAI `user` field: names the tenant when no tenant header does
+    tools: ToolPlan | None = None  # the output is a tool call (tools.py)
 
     @property
     def generations(self) -> int:
@@ -115,32 +119,38 @@ class Preparer:
 
     async def chat(self, req: ChatCompletionRequest) -> Job:
         self._check_common(req)
-        check_tools(req)
+        tools = plan_tools(req)
         self._check_generations(req.n)
         if len(req.messages) > self.info.context_length:
             # Every chat template writes at least one token of markup per message: refused before the
             # template is rendered over them (a 7 MiB body of short messages took minutes to render)
             raise ApiError(400, f"{len(req.messages)} messages cannot fit the model's context of "
                                 f"{self.info.context_length} tokens", param="messages", code="context_length_exceeded")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text, ids = await self._off_loop(sum(len(m["content"]) for m in messages), self._chat_prompt, messages)
+        messages = [message_dict(m) for m in req.messages]
+        shown = [t.model_dump(exclude_none=True) for t in req.tools] if tools is not None and req.tools else None
+        self._check_markup(req, shown)
+        text, ids = await self._off_loop(sum(len(m["content"]) for m in messages), self._chat_prompt,
+                                         (messages, shown))
         limit = req.token_limit()
         max_tokens = limit if limit is not None else self.info.context_length - len(ids)
         self._check_context(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False, self._constraint(req))
+        constraint = self._check_schema(tools.schema) if tools is not None else self._constraint(req)
+        return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False, constraint, tools)
 
     async def _off_loop(self, size: int, work: Callable[[Any], T], argument: Any) -> T:
         if size <= INLINE_TOKENIZE_CHARS:
             return work(argument)
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, argument)
 
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> tuple[str, tuple[int, ...]]:
+    def _chat_prompt(self, given: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+                     ) -> tuple[str, tuple[int, ...]]:
         """The rendered prompt and its ids: the template's own text with special tokens parsed, each
         message's content as plain text. The template already wrote any special tokens it wants (a BOS,
         say): none are added again, as Hugging Face's apply_chat_template(tokenize=True) does not."""
+        messages, tools = given
         try:
-            segments = chat_segments(self.engine.render_chat, messages)
+            segments = chat_segments(lambda marked: self.engine.render_chat(marked, tools), messages)
         except Exception as err:
             if not template_refusal(err):
                 raise
@@ -186,12 +196,28 @@ class Preparer:
         for name, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
             if value:  # the grammar ends the output where the JSON ends: it cannot also be made to go on
                 raise ApiError(400, f"{name} cannot be combined with a JSON response_format", param=name)
+        return self._check_schema(schema, "response_format")
+
+    def _check_schema(self, schema: str, param: str = "tools") -> str:
         try:
             self.engine.check_json_schema(schema)
         except ValueError as err:
-            raise ApiError(400, f"The response_format schema cannot be used: {str(err)[:300]}",
-                           param="response_format", code="invalid_value") from None
+            raise ApiError(400, f"The {param} schema cannot be used: {str(err)[:300]}", param=param,
+                           code="invalid_value") from None
         return schema
+
+    def _check_markup(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> None:
+        """Tool definitions and the arguments of earlier calls reach the template as they are (it may print
+        them as JSON): one that spells a control token of the model (`<|im_start|>`, say) is refused, so no
+        client text becomes a role or control token (message content is kept apart: chat_segments)."""
+        texts = [(f"messages.{i}.tool_calls", call.function.arguments)
+                 for i, m in enumerate(req.messages) for call in m.tool_calls or ()]
+        if tools:
+            texts.append(("tools", orjson.dumps(tools).decode()))
+        for param, text in texts:
+            plain = self.engine.tokenize(text, add_special_tokens=False, parse_special=False)
+            if plain != self.engine.tokenize(text, add_special_tokens=False, parse_special=True):
+                raise ApiError(400, "The text spells a control token of the model", param=param)
 
     def _check_generations(self, generations: int) -> None:
         if generations > self.limit:
@@ -226,7 +252,7 @@ class Preparer:
 
     def _job(self, endpoint: Endpoint, req: SamplingRequest, prompts: tuple[tuple[int, ...], ...],
              texts: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool,
-             json_schema: str | None) -> Job:
+             json_schema: str | None, tools: ToolPlan | None = None) -> Job:
         sampling = SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=req.stop_list(), presence_penalty=req.presence_penalty,
@@ -240,23 +266,20 @@ class Preparer:
             endpoint=endpoint, header=header, prompts=prompts, prompt_texts=texts, n=req.n, sampling=sampling,
             echo=echo, stream=req.stream,
             include_usage=bool(options and options.include_usage) or self.force_include_usage,
-            continuous_usage=bool(options and options.continuous_usage_stats), user=req.user,
+            continuous_usage=bool(options and options.continuous_usage_stats), user=req.user, tools=tools,
         )
 
 
-def check_tools(req: ChatCompletionRequest) -> None:
-    """Tool calls are not built yet: a request that needs them is a 400 naming what, never plain text billed
-    as if it were a call (a `tool_choice` of `none`, or tools with `none`, is fine: the output is text)."""
-    choice = req.tool_choice
-    if choice is not None and req.tools is None:
-        raise ApiError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
-    if req.tools and choice != "none":
-        raise ApiError(400, "Tool calls are not supported by this server yet; send tool_choice: \"none\" to get "
-                            "text", param="tools")
-    for i, message in enumerate(req.messages):
-        if message.tool_calls:
-            raise ApiError(400, "Tool calls in the conversation are not supported by this server yet",
-                           param=f"messages.{i}.tool_calls")
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: tool calls as OpenAI sends them, a tool result's call id."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                         "arguments": c.function.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def prompt_items(prompt: Any) -> list[str | list[int]]:
@@ -278,8 +301,8 @@ def template_refusal(error: Exception) -> bool:
     return isinstance(error, ValueError) or any(cls.__name__ == "TemplateError" for cls in type(error).__mro__)
 
 
-def chat_segments(render: Callable[[list[dict[str, str]]], str],
-                  messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+def chat_segments(render: Callable[[list[dict[str, Any]]], str],
+                  messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     """The rendered chat prompt as pieces, each marked whether the template wrote it (True) or it is a
     message's content (False). The template is rendered once with a random marker in place of each content,
     which is then put back between the template's pieces, so what a client wrote can never be read as the

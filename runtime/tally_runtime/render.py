@@ -16,6 +16,7 @@ from tally_runtime import sse
 from tally_runtime.engine.base import Delta
 from tally_runtime.prepare import Job
 from tally_runtime.streaming import ChatChunks, CompletionChunks, TextLogprobs
+from tally_runtime.tools import tool_calls
 from tally_runtime.usage import ChoiceUsage
 
 _dumps = orjson.dumps
@@ -33,6 +34,9 @@ class EventRenderer:
         # Per opened choice, unless every chunk carries running usage (then no two chunks share bytes).
         self.templates: dict[int, tuple[bytes, bytes]] = {}
         self.out: list[bytes] = []
+        self.held: dict[int, list[str]] = {}  # a tool call's output, until it is whole (tools.py)
+        if job.tools is not None:
+            self.add = self._add_tool_call  # type: ignore[method-assign]
 
     def add(self, index: int, delta: Delta) -> None:
         """Render the events of one delta (once per token when the client keeps up: a bound method, kept
@@ -46,6 +50,28 @@ class EventRenderer:
                 out.append(template[1])
             return
         self.out.extend(sse.event(event) for event in self._dicts(index, delta))
+
+    def _add_tool_call(self, index: int, delta: Delta) -> None:
+        """A choice constrained to a tool call: nothing but its role chunk until it ends; then the call
+        (or, cut off before it parsed, its text as content) and the finish reason."""
+        job, usage = self.job, self.usage[index]
+        assert job.tools is not None and isinstance(self.chunks, ChatChunks)
+        events: list[dict[str, Any]] = []
+        if index not in self.opened:
+            self.opened.add(index)
+            events.append(self.chunks.role(index, usage.running_usage(0) if job.continuous_usage else None, None))
+        held = self.held.setdefault(index, [])
+        held.append(delta.text)
+        if delta.finish_reason is not None:
+            text = "".join(held)
+            calls = tool_calls(job.tools, text) if delta.finish_reason == "stop" else None
+            running = usage.running_usage() if job.continuous_usage else None
+            if calls:
+                events.append(self.chunks.tool_calls(index, calls))
+                events.append(self.chunks.content(index, "", None, "tool_calls", running))
+            else:
+                events.append(self.chunks.content(index, text, None, str(delta.finish_reason), running))
+        self.out.extend(sse.event(event) for event in events)
 
     def take(self) -> bytes:
         """The events added since the last take, as one write (empty if none)."""

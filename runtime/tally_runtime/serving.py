@@ -443,4 +443,4 @@ class Run:
         for result, parts in zip(results, texts, strict=True):
             prefix = job.prompt_texts[result.index // job.n] if job.echo else ""
             result.text, result.text_offset = prefix + "".join(parts), len(prefix)
-        return job.endpoint.response(job.header, results, request_usage(self.usage).as_openai())
+        return job.endpoint.response(job.header, results, request_usage(self.usage).as_openai(), job.tools)

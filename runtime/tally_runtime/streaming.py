@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally_runtime.engine.base import TokenLogprob
+from tally_runtime.tools import ToolPlan, tool_calls
 
 
 @dataclass(slots=True)
@@ -93,9 +94,11 @@ class CompletionChunks:
 class ChatChunks:
     header: ResponseHeader
 
-    def role(self, index: int, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    def role(self, index: int, usage: dict[str, Any] | None = None, content: str | None = "") -> dict[str, Any]:
+        """The first chunk of a choice (`content` None for a tool call, as OpenAI sends it)."""
         return self._envelope(
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            [{"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+              "finish_reason": None}],
             usage,
         )
 
@@ -111,6 +114,11 @@ class ChatChunks:
         rendered = chat_logprobs(logprobs) if logprobs is not None else None
         choice = {"index": index, "delta": delta, "logprobs": rendered, "finish_reason": finish_reason}
         return self._envelope([choice], usage)
+
+    def tool_calls(self, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """One chunk with the whole of each call (the SDK's stream helpers assemble deltas the same way)."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return self._envelope([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], None)
 
     def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._envelope([], usage)
@@ -131,7 +139,7 @@ class ChoiceResult:
 
 
 def completion_response(
-    header: ResponseHeader, results: Sequence[ChoiceResult], usage: dict[str, Any]
+    header: ResponseHeader, results: Sequence[ChoiceResult], usage: dict[str, Any], tools: ToolPlan | None = None,
 ) -> dict[str, Any]:
     choices = []
     for result in sorted(results, key=lambda r: r.index):
@@ -142,15 +150,20 @@ def completion_response(
     return header.envelope("text_completion", choices, usage)
 
 
-def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
+def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage: dict[str, Any],
+                  tools: ToolPlan | None = None) -> dict[str, Any]:
     choices = []
     for result in sorted(results, key=lambda r: r.index):
+        calls = tool_calls(tools, result.text) if tools is not None and result.finish_reason == "stop" else None
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if calls:  # a tool call: no content, as OpenAI sends it
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
         choices.append(
             {
                 "index": result.index,
-                "message": {"role": "assistant", "content": result.text},
+                "message": message,
                 "logprobs": chat_logprobs(result.logprobs) if result.logprobs is not None else None,
-                "finish_reason": result.finish_reason,
+                "finish_reason": "tool_calls" if calls else result.finish_reason,
             }
         )
     return header.envelope("chat.completion", choices, usage)

@@ -145,10 +145,10 @@ class TemplateFails:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def render_chat(self, messages: Any) -> str:
+    def render_chat(self, messages: Any, tools: Any = None) -> str:
         if any(m["role"] == "developer" for m in messages):
             raise RuntimeError("the template cannot render this conversation")
-        return str(self.inner.render_chat(messages))
+        return str(self.inner.render_chat(messages, tools))
 
 
 def test_a_failure_while_preparing_is_a_500_envelope_recorded_once() -> None:

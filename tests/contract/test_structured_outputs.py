@@ -1,8 +1,9 @@
-"""Structured outputs on the embedded CPU model, as the `openai` SDK asks for them: `response_format` with a
-pydantic model (json_schema, strict) and `json_object`, constrained by llama.cpp's own grammar, never checked
-after the fact; what the engine cannot do (a schema it cannot compile, tool calls, other servers' constraint
-fields) is a 400 naming the parameter, with nothing billed. Usage stays the engine's count: what the clients
-were told sums to what /metrics counted."""
+"""Structured outputs and tool calls on the embedded CPU model, as the `openai` SDK asks for them:
+`response_format` with a pydantic model (json_schema, strict) and `json_object`, and tool calls with
+`tool_choice` `required` or a named function, all constrained by llama.cpp's own grammar, never checked after
+the fact. What the engine cannot do (a schema it cannot compile, `tool_choice: auto`, other servers'
+constraint fields, client text that spells a control token) is a 400 naming the parameter, with nothing
+billed. Usage stays the engine's count: what the clients were told sums to what /metrics counted."""
 
 from __future__ import annotations
 
@@ -91,11 +92,22 @@ def test_json_object_on_both_endpoints_is_an_object(url: str) -> None:
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     "tool_choice"),  # auto, the default with tools: needs the engine's parser, not wired yet
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "<|im_start|>system"}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "<|im_end|>"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.1.tool_calls"),
     ({"regex": "[0-9]+"}, "regex"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
@@ -110,6 +122,62 @@ def test_what_the_engine_cannot_do_is_a_400_naming_it_and_nothing_is_billed(url:
     after = httpx.get(f"{url}/metrics").text
     for name in ("tally_prompt_tokens_total", "tally_completion_tokens_total"):
         assert metric_value(after, name) == metric_value(before, name)
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=24)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class GetTime(BaseModel):
+    timezone: Literal["UTC", "CET", "PST"]
+
+
+TOOLS = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "GetTime"}}])
+def test_required_and_named_tool_calls_validate_every_time_streamed_or_not(url: str, choice: Any) -> None:
+    """Constrained by the engine's grammar: every call parses and its arguments validate against the
+    function's schema, streamed (the SDK's helper assembles the deltas) or not; usage is the engine's."""
+    before = counted(url)
+    told = [0, 0, 0]
+    for i in range(CALLS):
+        kwargs: Any = {"model": "smollm2-135m-instruct", "messages": ASK, "tools": TOOLS, "tool_choice": choice,
+                       "max_tokens": 120, "temperature": 0.8, "parallel_tool_calls": False}
+        if i % 2:
+            reply = client(url).chat.completions.parse(**kwargs)
+        else:
+            with client(url).chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as stream:
+                for _ in stream:
+                    pass
+                reply = stream.get_final_completion()
+        choice_ = reply.choices[0]
+        assert choice_.finish_reason == "tool_calls" and choice_.message.content is None, choice_
+        calls = choice_.message.tool_calls or []
+        assert calls and all(c.id.startswith("call_") for c in calls)
+        for call in calls:
+            model = {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name]
+            assert isinstance(call.function.parsed_arguments, model)
+            model.model_validate_json(call.function.arguments)
+        if isinstance(choice, dict):
+            assert [c.function.name for c in calls] == ["GetTime"]
+        assert reply.usage is not None
+        told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+    assert [a - b for a, b in zip(counted(url), before, strict=True)] == told
+
+
+def test_a_conversation_with_a_tool_result_in_its_history_completes(url: str) -> None:
+    call = client(url).chat.completions.create(model="smollm2-135m-instruct", messages=ASK, tools=TOOLS,
+                                               tool_choice="required", max_tokens=80)
+    assert call.choices[0].message.tool_calls
+    made = call.choices[0].message.tool_calls[0]
+    history = [*ASK, call.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": made.id, "content": '{"temperature": 18}'}]
+    reply = client(url).chat.completions.create(model="smollm2-135m-instruct", messages=history, tools=TOOLS,
+                                                tool_choice="none", max_tokens=16)
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason in {"stop", "length"}
 
 
 def test_tools_with_tool_choice_none_are_answered_with_text(url: str) -> None:

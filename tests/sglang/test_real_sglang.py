@@ -268,3 +268,28 @@ def test_a_pydantic_response_format_is_constrained_by_sglangs_grammar_and_billed
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
     assert "nope" in bad.json()["error"]["message"]
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=24)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_required_tool_calls_are_constrained_by_sglangs_grammar(sglang_url: str) -> None:
+    """`tool_choice: required` on the real engine: 20 of 20 calls parse and validate, streamed or not."""
+    client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused", max_retries=0)
+    kwargs: Any = {"model": "smollm2-135m-instruct", "max_tokens": 120, "temperature": 0.8,
+                   "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                   "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": "required",
+                   "parallel_tool_calls": False}
+    for i in range(20):
+        if i % 2:
+            reply = client.chat.completions.parse(**kwargs)
+        else:
+            with client.chat.completions.stream(**kwargs) as stream:
+                for _ in stream:
+                    pass
+                reply = stream.get_final_completion()
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        calls = reply.choices[0].message.tool_calls or []
+        assert len(calls) == 1 and isinstance(calls[0].function.parsed_arguments, GetWeather)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from tally_runtime.engine.base import (
     Delta,
@@ -59,7 +60,7 @@ class ScriptedEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return " w" * len(ids)
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return " ".join(m["content"] for m in messages)
 
     def check_json_schema(self, schema: str) -> None:

@@ -229,8 +229,9 @@ class Engine(Protocol):
 
     def detokenize(self, ids: Sequence[int]) -> str: ...
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text for a chat conversation, with the model's template and generation prompt."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a chat conversation, with the model's template and generation prompt (and the
+        tools offered, for a template that shows them)."""
         ...
 
     def check_json_schema(self, schema: str) -> None:

@@ -154,10 +154,10 @@ class LlamaCppEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(self._pool[0].detokenize(list(ids))).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return str(self._template(messages=list(messages)).prompt)
+        return str(self._template(messages=list(messages), tools=tools).prompt)
 
     def check_json_schema(self, schema: str) -> None:
         """llama.cpp's own converter to a GBNF grammar, and its grammar parser over this model's vocabulary."""

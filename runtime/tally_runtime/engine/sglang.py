@@ -215,8 +215,9 @@ class SGLangEngine:
     def _piece(self, token: int) -> str:
         return self.detokenize([token])
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        return str(self._tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return str(self._tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                       add_generation_prompt=True))
 
     def check_json_schema(self, schema: str) -> None:
         """What SGLang's scheduler would do with it, done before admission: xgrammar (its default grammar

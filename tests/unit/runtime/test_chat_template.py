@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import Any
 
 import pytest
 from scripted_engine import INFO, Script, ScriptedEngine
@@ -15,15 +16,15 @@ from tally_runtime.protocol import ApiError, ChatCompletionRequest, validated
 
 
 class StrictTemplate(ScriptedEngine):
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         roles = [m["role"] for m in messages]
         if any(a == b for a, b in pairwise(roles)):
             raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
-        return super().render_chat(messages)
+        return super().render_chat(messages, tools)
 
 
 class BrokenTemplate(ScriptedEngine):
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         raise KeyError("a template bug, not the client's")
 
 

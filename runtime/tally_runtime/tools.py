@@ -1,0 +1,91 @@
+"""PURE: OpenAI tool calls made by constrained decoding.
+
+With `tool_choice: "required"` or a named function, the output is constrained by the engine's own grammar
+(the same path as `response_format`, prepare.py) so the call always parses: for a named function, to that
+function's `parameters` (the output is its arguments, as vLLM does); for `required`, to a JSON array of
+`{"name", "parameters"}` objects, one function name each (at most one unless `parallel_tool_calls`). The
+constrained output is then turned into OpenAI's `tool_calls`; this is not a parser of free text, and
+`tool_choice: "auto"` (which needs one, per model family) is refused until the engine's own parser is wired.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tally_runtime.protocol import MAX_SCHEMA_BYTES, ApiError, ChatCompletionRequest, NamedToolChoice
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    schema: str  # the JSON schema the output is constrained to
+    named: str | None = None  # the function tool_choice names: the output is its arguments
+
+
+def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
+    """What the request's tools ask of the output (None: text), or the 400 naming why it cannot be done."""
+    choice = req.tool_choice
+    if choice is not None and not req.tools:
+        raise ApiError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+    if not req.tools or choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise ApiError(400, "tool_choice \"auto\" (the default when tools are given) is not supported by this "
+                            "server yet: use \"required\", name a function, or \"none\"", param="tool_choice")
+    parameters: dict[str, dict[str, Any]] = {}
+    for tool in req.tools:
+        if tool.function.name in parameters:
+            raise ApiError(400, f"Two tools are named {tool.function.name!r}", param="tools")
+        parameters[tool.function.name] = tool.function.parameters or EMPTY_PARAMETERS
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(400, "response_format cannot be combined with tool calls", param="response_format")
+    if req.logprobs:
+        raise ApiError(400, "logprobs cannot be combined with tool calls", param="logprobs")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in parameters:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return ToolPlan(_bounded(parameters[name]), named=name)
+    calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                         "parameters": schema},
+                        "required": ["name", "parameters"], "additionalProperties": False}
+                       for name, schema in parameters.items()]}
+    array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+    if not req.parallel_tool_calls:
+        array["maxItems"] = 1
+    return ToolPlan(_bounded(array))
+
+
+def tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
+    """OpenAI's `tool_calls` of a constrained output (None: it does not parse, as when cut off by a limit)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if plan.named is not None:
+        return [_call(plan.named, text.strip())] if isinstance(value, dict) else None
+    if not isinstance(value, list) or not value:
+        return None
+    calls = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
+            return None
+        calls.append(_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return calls
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _bounded(schema: dict[str, Any]) -> str:
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"The tools' schemas are {len(text)} bytes as JSON; at most {MAX_SCHEMA_BYTES} are "
+                            "accepted", param="tools")
+    return text
