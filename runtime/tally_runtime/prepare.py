@@ -119,7 +119,8 @@ class Preparer:
 
     async def chat(self, req: ChatCompletionRequest) -> Job:
         self._check_common(req)
-        tools = plan_tools(req)
+        tools = plan_tools(req, lambda: self.engine.tool_parser(
+            [t.model_dump(exclude_none=True) for t in req.tools or ()]))
         self._check_generations(req.n)
         if len(req.messages) > self.info.context_length:
             # Every chat template writes at least one token of markup per message: refused before the
@@ -135,7 +136,8 @@ class Preparer:
         max_tokens = limit if limit is not None else self.info.context_length - len(ids)
         self._check_context(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        constraint = self._check_schema(tools.schema) if tools is not None else self._constraint(req)
+        constraint = self._constraint(req) if tools is None else \
+            self._check_schema(tools.schema) if tools.schema is not None else None
         return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False, constraint, tools)
 
     async def _off_loop(self, size: int, work: Callable[[Any], T], argument: Any) -> T:

@@ -64,9 +64,11 @@ class EventRenderer:
         held.append(delta.text)
         if delta.finish_reason is not None:
             text = "".join(held)
-            calls = tool_calls(job.tools, text) if delta.finish_reason == "stop" else None
+            content, calls = tool_calls(job.tools, text) if delta.finish_reason == "stop" else (text, None)
             running = usage.running_usage() if job.continuous_usage else None
             if calls:
+                if content:
+                    events.append(self.chunks.content(index, content, None, None))
                 events.append(self.chunks.tool_calls(index, calls))
                 events.append(self.chunks.content(index, "", None, "tool_calls", running))
             else:

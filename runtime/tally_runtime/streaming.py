@@ -154,10 +154,11 @@ def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage
                   tools: ToolPlan | None = None) -> dict[str, Any]:
     choices = []
     for result in sorted(results, key=lambda r: r.index):
-        calls = tool_calls(tools, result.text) if tools is not None and result.finish_reason == "stop" else None
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        if calls:  # a tool call: no content, as OpenAI sends it
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        content, calls = (tool_calls(tools, result.text) if tools is not None and result.finish_reason == "stop"
+                          else (result.text, None))
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:  # content None unless the model wrote text around its calls, as OpenAI sends it
+            message["tool_calls"] = calls
         choices.append(
             {
                 "index": result.index,

@@ -5,37 +5,41 @@ With `tool_choice: "required"` or a named function, the output is constrained by
 function's `parameters` (the output is its arguments, as vLLM does); for `required`, to a JSON array of
 `{"name", "parameters"}` objects, one function name each (at most one unless `parallel_tool_calls`). The
 constrained output is then turned into OpenAI's `tool_calls`; this is not a parser of free text, and
-`tool_choice: "auto"` (which needs one, per model family) is refused until the engine's own parser is wired.
+With `tool_choice: "auto"` (the default with tools) the model writes calls in its own family's format
+among free text: only the engine's own parser for that family reads them (SGLang's `FunctionCallParser`,
+chosen with `--tool-call-parser` in `spec.engine.args`); an engine without one refuses `auto` with a 400.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tally_runtime.protocol import MAX_SCHEMA_BYTES, ApiError, ChatCompletionRequest, NamedToolChoice
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# The engine's parser of a model family's calls: the text around them, and each call's (name, arguments)
+Parser = Callable[[str], tuple[str, list[tuple[str, str]]]]
 
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    schema: str  # the JSON schema the output is constrained to
+    schema: str | None  # the JSON schema the output is constrained to (None: free, read by `parse`)
     named: str | None = None  # the function tool_choice names: the output is its arguments
+    parse: Parser | None = None  # tool_choice auto: the engine's parser
 
 
-def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
-    """What the request's tools ask of the output (None: text), or the 400 naming why it cannot be done."""
+def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] = lambda: None) -> ToolPlan | None:
+    """What the request's tools ask of the output (None: text), or the 400 naming why it cannot be done.
+    `parser` gives the engine's parser for `auto`, if it has one."""
     choice = req.tool_choice
     if choice is not None and not req.tools:
         raise ApiError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
     if not req.tools or choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise ApiError(400, "tool_choice \"auto\" (the default when tools are given) is not supported by this "
-                            "server yet: use \"required\", name a function, or \"none\"", param="tool_choice")
     parameters: dict[str, dict[str, Any]] = {}
     for tool in req.tools:
         if tool.function.name in parameters:
@@ -45,6 +49,14 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
         raise ApiError(400, "response_format cannot be combined with tool calls", param="response_format")
     if req.logprobs:
         raise ApiError(400, "logprobs cannot be combined with tool calls", param="logprobs")
+    if choice is None or choice == "auto":
+        parse = parser()
+        if parse is None:
+            raise ApiError(400, "tool_choice \"auto\" (the default when tools are given) needs the engine's parser "
+                                "for the model's tool-call format, and this server runs none (SGLang: "
+                                "--tool-call-parser in spec.engine.args): use \"required\", name a function, or "
+                                "\"none\"", param="tool_choice")
+        return ToolPlan(None, parse=parse)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in parameters:
@@ -60,8 +72,19 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     return ToolPlan(_bounded(array))
 
 
-def tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """OpenAI's `tool_calls` of a constrained output (None: it does not parse, as when cut off by a limit)."""
+def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """The content and OpenAI's `tool_calls` of an output (no calls: the text is all content; a constrained
+    output that does not parse, as when cut off by a limit, is content too)."""
+    if plan.parse is not None:
+        normal, found = plan.parse(text)
+        if not found:
+            return text, None
+        return normal or None, [_call(name, arguments) for name, arguments in found]
+    calls = _constrained(plan, text)
+    return (None, calls) if calls else (text, None)
+
+
+def _constrained(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     try:
         value = json.loads(text)
     except ValueError:

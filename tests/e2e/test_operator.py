@@ -93,7 +93,10 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
     assert ("ClusterKopfPeering", None) not in kinds
     cluster_role = next(o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "tally-team-a")
     assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
-    names = {o["metadata"]["name"] for o in objects if o["kind"] not in {"Service", "Secret", "ClusterRole"}}
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"} == \
+        {"completionservices.serving.tally.dev"}  # cluster-scoped whatever the release watches
+    names = {o["metadata"]["name"] for o in objects
+             if o["kind"] not in {"Service", "Secret", "ClusterRole", "CustomResourceDefinition"}}
     assert names == {"tally-team-a", "tally-team-a-reach"}  # the operator's reach policy beside the others
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"} == {"tally-team-a-signing"}
     assert all(o["metadata"]["labels"]["app.kubernetes.io/name"] == "tally" for o in objects)

@@ -38,6 +38,9 @@ class FastEngine:
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return " ".join(m["content"] for m in messages)
 
+    def tool_parser(self, tools: list[dict[str, Any]]) -> None:
+        """No parser of a model family's calls."""
+
     def check_json_schema(self, schema: str) -> None:
         """Any schema is accepted: this engine generates what its script says."""
 

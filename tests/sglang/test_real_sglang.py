@@ -293,3 +293,37 @@ def test_required_tool_calls_are_constrained_by_sglangs_grammar(sglang_url: str)
         assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
         calls = reply.choices[0].message.tool_calls or []
         assert len(calls) == 1 and isinstance(calls[0].function.parsed_arguments, GetWeather)
+
+
+def test_tool_choice_auto_reads_calls_with_sglangs_own_parser_for_the_model_family() -> None:
+    """`--tool-call-parser` (spec.engine.args) picks SGLang's FunctionCallParser: the adapter reads a model's
+    calls and the text around them with it, and Tally returns OpenAI's tool_calls; without one, auto is a 400
+    (the shared server below runs none)."""
+    from types import SimpleNamespace
+
+    from tally_runtime.engine.base import EngineConfig
+    from tally_runtime.engine.sglang import SGLangEngine
+    from tally_runtime.tools import ToolPlan, tool_calls
+
+    engine = SGLangEngine(EngineConfig())
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    engine._engine = SimpleNamespace(server_args=SimpleNamespace(tool_call_parser=None))
+    assert engine.tool_parser(tools) is None
+    engine._engine = SimpleNamespace(server_args=SimpleNamespace(tool_call_parser="qwen25"))
+    parse = engine.tool_parser(tools)
+    assert parse is not None
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = tool_calls(ToolPlan(None, parse=parse), text)
+    assert content is not None and content.strip() == "Let me look."
+    assert calls is not None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("get_weather", {"city": "Paris"})]
+    assert tool_calls(ToolPlan(None, parse=parse), "Just text.") == ("Just text.", None)
+
+
+def test_tool_choice_auto_without_a_parser_is_a_400_naming_it(sglang_url: str) -> None:
+    reply = httpx.post(f"{sglang_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in reply.json()["error"]["message"]

@@ -234,6 +234,11 @@ class Engine(Protocol):
         tools offered, for a template that shows them)."""
         ...
 
+    def tool_parser(self, tools: list[dict[str, Any]]) -> Callable[[str], tuple[str, list[tuple[str, str]]]] | None:
+        """The engine's own parser of the model family's tool calls in free text, for these tools (None: the
+        engine has none, and `tool_choice: auto` is refused): text -> (text around the calls, [(name, args)])."""
+        ...
+
     def check_json_schema(self, schema: str) -> None:
         """Raise ValueError, saying why, if the engine's grammar backend cannot constrain output to `schema`
         (JSON text). Called before a request is admitted; the engine compiles it again when it generates."""

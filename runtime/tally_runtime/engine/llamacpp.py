@@ -159,6 +159,9 @@ class LlamaCppEngine:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return str(self._template(messages=list(messages), tools=tools).prompt)
 
+    def tool_parser(self, tools: list[dict[str, Any]]) -> Callable[[str], tuple[str, list[tuple[str, str]]]] | None:
+        return None  # llama.cpp has no parser of a model family's calls here: required or named calls only
+
     def check_json_schema(self, schema: str) -> None:
         """llama.cpp's own converter to a GBNF grammar, and its grammar parser over this model's vocabulary."""
         from llama_cpp import llama_cpp

@@ -14,7 +14,7 @@ import importlib
 import importlib.metadata
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from tally_runtime.engine import sglang_compat as compat
@@ -218,6 +218,26 @@ class SGLangEngine:
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return str(self._tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
                                                        add_generation_prompt=True))
+
+    def tool_parser(self, tools: list[dict[str, Any]]) -> Callable[[str], tuple[str, list[tuple[str, str]]]] | None:
+        """SGLang's FunctionCallParser for `--tool-call-parser` (spec.engine.args), if one was given."""
+        name = getattr(getattr(self._engine, "server_args", None), "tool_call_parser", None)
+        if not name:
+            return None
+        module = importlib.import_module("sglang.srt.function_call.function_call_parser")
+        protocol = importlib.import_module("sglang.srt.entrypoints.openai.protocol")
+        given = [protocol.Tool.model_validate(tool) for tool in tools]
+        try:
+            module.FunctionCallParser(given, name)
+        except ValueError:  # a name SGLang resolved otherwise ("auto"), or one this version lacks
+            log.warning("SGLang has no tool-call parser %r: tool_choice auto is refused", name)
+            return None
+
+        def parse(text: str) -> tuple[str, list[tuple[str, str]]]:
+            normal, calls = module.FunctionCallParser(given, name).parse_non_stream(text)
+            return str(normal), [(str(c.name), str(c.parameters)) for c in calls if c.name]
+
+        return parse
 
     def check_json_schema(self, schema: str) -> None:
         """What SGLang's scheduler would do with it, done before admission: xgrammar (its default grammar
