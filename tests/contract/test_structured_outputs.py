@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from runtime_harness import metric_value, runtime_process
+from runtime_harness import metric_value, runtime_process, until
 
 CALLS = 20
 
@@ -28,10 +29,27 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("records") / "records.jsonl"
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[str]:
     log = tmp_path_factory.mktemp("structured") / "rt.log"
-    with runtime_process(log, "--max-concurrent-generations", "2") as (_, base):
+    with runtime_process(log, "--max-concurrent-generations", "2", "--usage-records-file", str(records)) as (_, base):
         yield base
+
+
+def recorded(records: Path, ids: list[str]) -> list[int]:
+    """(requests, prompt tokens, completion tokens) of these responses in the usage records."""
+    def written() -> dict[str, Any]:  # a record is written as its request closes, just after the response
+        by_id = {r["id"]: r for r in map(json.loads, records.read_text().splitlines())}
+        return by_id if all(i in by_id for i in ids) else {}
+
+    assert until(written, 30), "a response's usage record was not written"
+    by_id = written()
+    mine = [by_id[i] for i in ids]
+    return [len(mine), sum(r["prompt_tokens"] for r in mine), sum(r["completion_tokens"] for r in mine)]
 
 
 def counted(url: str) -> tuple[float, float, float]:
@@ -47,9 +65,10 @@ def client(url: str) -> openai.OpenAI:
 MESSAGES: list[Any] = [{"role": "user", "content": "Describe a large city as JSON."}]
 
 
-def test_a_pydantic_response_format_parses_every_time_streamed_or_not_and_is_billed_as_counted(url: str) -> None:
+def test_a_pydantic_response_format_parses_every_time_streamed_or_not_and_is_billed_as_counted(
+        url: str, records: Path) -> None:
     before = counted(url)
-    told = [0, 0, 0]
+    told, ids = [0, 0, 0], []
     for i in range(CALLS):
         if i % 2:
             reply = client(url).chat.completions.parse(model="smollm2-135m-instruct", messages=MESSAGES,
@@ -65,8 +84,9 @@ def test_a_pydantic_response_format_parses_every_time_streamed_or_not_and_is_bil
         assert isinstance(parsed, City), reply.choices[0].message.content
         assert reply.usage is not None
         told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+        ids.append(reply.id)
     after = counted(url)
-    assert [a - b for a, b in zip(after, before, strict=True)] == told
+    assert [a - b for a, b in zip(after, before, strict=True)] == told == recorded(records, ids)
 
 
 def test_json_object_on_both_endpoints_is_an_object(url: str) -> None:
@@ -138,11 +158,12 @@ ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "GetTime"}}])
-def test_required_and_named_tool_calls_validate_every_time_streamed_or_not(url: str, choice: Any) -> None:
+def test_required_and_named_tool_calls_validate_every_time_streamed_or_not(url: str, records: Path,
+                                                                          choice: Any) -> None:
     """Constrained by the engine's grammar: every call parses and its arguments validate against the
     function's schema, streamed (the SDK's helper assembles the deltas) or not; usage is the engine's."""
     before = counted(url)
-    told = [0, 0, 0]
+    told, ids = [0, 0, 0], []
     for i in range(CALLS):
         kwargs: Any = {"model": "smollm2-135m-instruct", "messages": ASK, "tools": TOOLS, "tool_choice": choice,
                        "max_tokens": 120, "temperature": 0.8, "parallel_tool_calls": False}
@@ -165,7 +186,8 @@ def test_required_and_named_tool_calls_validate_every_time_streamed_or_not(url: 
             assert [c.function.name for c in calls] == ["GetTime"]
         assert reply.usage is not None
         told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
-    assert [a - b for a, b in zip(counted(url), before, strict=True)] == told
+        ids.append(reply.id)
+    assert [a - b for a, b in zip(counted(url), before, strict=True)] == told == recorded(records, ids)
 
 
 def test_a_conversation_with_a_tool_result_in_its_history_completes(url: str) -> None:

@@ -275,12 +275,13 @@ class GetWeather(BaseModel):
     unit: Literal["celsius", "fahrenheit"]
 
 
-def test_required_tool_calls_are_constrained_by_sglangs_grammar(sglang_url: str) -> None:
-    """`tool_choice: required` on the real engine: 20 of 20 calls parse and validate, streamed or not."""
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "GetWeather"}}])
+def test_required_and_named_tool_calls_are_constrained_by_sglangs_grammar(sglang_url: str, choice: Any) -> None:
+    """`tool_choice` required or named on the real engine: 20 of 20 calls parse and validate, streamed or not."""
     client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused", max_retries=0)
     kwargs: Any = {"model": "smollm2-135m-instruct", "max_tokens": 120, "temperature": 0.8,
                    "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-                   "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": "required",
+                   "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": choice,
                    "parallel_tool_calls": False}
     for i in range(20):
         if i % 2:
