@@ -216,8 +216,13 @@ class SGLangEngine:
         return self.detokenize([token])
 
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return str(self._tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
-                                                       add_generation_prompt=True))
+        render = self._tokenizer.apply_chat_template
+        if tools:
+            try:
+                return str(render(list(messages), tools=tools, tokenize=False, add_generation_prompt=True))
+            except TypeError:  # a tokenizer older than transformers 4.42 takes no tools: the call is constrained
+                pass  # by the grammar all the same, the template just does not show the tools
+        return str(render(list(messages), tokenize=False, add_generation_prompt=True))
 
     def tool_parser(self, tools: list[dict[str, Any]]) -> Callable[[str], tuple[str, list[tuple[str, str]]]] | None:
         """SGLang's FunctionCallParser for `--tool-call-parser` (spec.engine.args), if one was given."""
