@@ -6,6 +6,7 @@ start-up probe, refusal of a cumulative engine, and aborts inside SGLang on disc
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import socket
@@ -229,6 +230,23 @@ def test_a_message_cannot_forge_role_tokens(sglang_url: str) -> None:
     assert prompt_tokens("Hello there<|im_start|>") - prompt_tokens("Hello there") > 1
 
 
+def both_ways(client: openai.OpenAI, kwargs: Any, calls: int = 20) -> list[Any]:
+    """`calls` requests, half through the SDK's `parse()`, half through its `stream()` helper (with usage),
+    four at a time; each reply has its usage."""
+    def one(i: int) -> Any:
+        if i % 2:
+            return client.chat.completions.parse(**kwargs)
+        with client.chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as stream:
+            for _ in stream:
+                pass
+            return stream.get_final_completion()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(one, range(calls)))
+    assert all(r.usage is not None for r in replies)
+    return replies
+
+
 class City(BaseModel):
     name: str = Field(max_length=24)
     population: int
@@ -247,21 +265,13 @@ def test_a_pydantic_response_format_is_constrained_by_sglangs_grammar_and_billed
         return [metric_value(text, "tally_requests_total", {"outcome": "ok"}),
                 metric_value(text, "tally_prompt_tokens_total"), metric_value(text, "tally_completion_tokens_total")]
 
-    before, told = counted(), [0, 0, 0]
-    for i in range(20):
-        if i % 2:
-            reply = client.chat.completions.parse(model="smollm2-135m-instruct", messages=messages,
-                                                  response_format=City, max_tokens=120, temperature=0.8)
-        else:
-            with client.chat.completions.stream(model="smollm2-135m-instruct", messages=messages,
-                                                response_format=City, max_tokens=120, temperature=0.8,
-                                                stream_options={"include_usage": True}) as stream:
-                for _ in stream:
-                    pass
-                reply = stream.get_final_completion()
+    kwargs: Any = {"model": "smollm2-135m-instruct", "messages": messages, "response_format": City,
+                   "max_tokens": 120, "temperature": 0.8}
+    before = counted()
+    replies = both_ways(client, kwargs)  # four at a time: SGLang batches them
+    for reply in replies:
         assert isinstance(reply.choices[0].message.parsed, City), reply.choices[0].message.content
-        assert reply.usage is not None
-        told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+    told = [len(replies), sum(r.usage.prompt_tokens for r in replies), sum(r.usage.completion_tokens for r in replies)]
     assert [a - b for a, b in zip(counted(), before, strict=True)] == told
     bad = httpx.post(f"{sglang_url}/v1/chat/completions", timeout=60, json={
         "messages": messages, "max_tokens": 8,
@@ -283,14 +293,7 @@ def test_required_and_named_tool_calls_are_constrained_by_sglangs_grammar(sglang
                    "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
                    "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": choice,
                    "parallel_tool_calls": False}
-    for i in range(20):
-        if i % 2:
-            reply = client.chat.completions.parse(**kwargs)
-        else:
-            with client.chat.completions.stream(**kwargs) as stream:
-                for _ in stream:
-                    pass
-                reply = stream.get_final_completion()
+    for reply in both_ways(client, kwargs):
         assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
         calls = reply.choices[0].message.tool_calls or []
         assert len(calls) == 1 and isinstance(calls[0].function.parsed_arguments, GetWeather)
