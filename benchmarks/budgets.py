@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -30,10 +31,13 @@ KINDS = ("tally", "tally-budgets")
 TENANTS = 1000
 
 
+SEQ = itertools.count(int(time.time() * 1000))  # lease messages are numbered, each above the last
+
+
 def lease_message(epoch: float) -> dict[str, Any]:
     tenants: dict[str, Any] = {f"tenant-{i}": {"allowance": 10**12, "tokensPerMinute": 10**12} for i in range(TENANTS)}
     tenants["anonymous"] = {"allowance": 10**15, "tokensPerMinute": 10**15}  # the bench's requests name no tenant
-    return {"epoch": epoch, "count": "total", "tenants": tenants, "starter": {"allowance": 0}}
+    return {"epoch": epoch, "seq": next(SEQ), "count": "total", "tenants": tenants, "starter": {"allowance": 0}}
 
 
 def admission_cost(calls: int = 200_000) -> dict[str, float]:
