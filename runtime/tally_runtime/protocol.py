@@ -156,6 +156,7 @@ class TextPart(BaseModel):
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's function names; call ids are held to the same characters
 MAX_TOOLS = 128
+CALL_ID = r"^[A-Za-z0-9_.:-]{1,128}$"  # a tool call's id, as it comes back in the history
 
 
 class FunctionCall(BaseModel):
@@ -166,7 +167,7 @@ class FunctionCall(BaseModel):
 
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    id: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    id: str = Field(pattern=CALL_ID)
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -202,7 +203,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
-    tool_call_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    tool_call_id: str | None = Field(None, pattern=CALL_ID)
 
     def text(self) -> str:
         if self.content is None:
