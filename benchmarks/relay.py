@@ -1,8 +1,10 @@
 """Relay overhead: Tally's SSE path against two baselines in the same invocation.
 
-Three servers, each in its own process under uvicorn on loopback, stream N tokens per request from an
+Four servers, each in its own process under uvicorn on loopback, stream N tokens per request from an
 engine that yields as fast as it can (no model):
-  ceiling   a bare ASGI app sending precomputed bytes, one event per token
+  naive     a bare ASGI app sending precomputed bytes, one event per write
+  ceiling   a bare ASGI app whose token source runs in its own task and whose writer sends every event
+            that is ready in one write (as Tally does): the limit of uvicorn and the socket
   pydantic  a FastAPI route building a pydantic model per chunk (model_dump_json), as common servers do
   tally     the real runtime app (create_app) over the same token source
 With --adapter, a fourth: tally-sglang, the runtime over the SGLang adapter and the SGLang contract fake
@@ -43,21 +45,81 @@ from tally_runtime.engine.base import GenerationRequest, SamplingParams  # noqa:
 
 # ---- the three servers (run in child processes: `relay.py serve <kind> <port>`)
 
-def ceiling_app(tokens_hint: int) -> Any:
-    event = (b'data: {"id":"cmpl-x","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
-             b'"text":" tok","logprobs":null,"finish_reason":null}],"usage":null}\n\n')
+EVENT = (b'data: {"id":"cmpl-x","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+         b'"text":" tok","logprobs":null,"finish_reason":null}],"usage":null}\n\n')
+DONE = b"data: [DONE]\n\n"
+
+
+async def _bare_request(receive: Any) -> int:
+    """The tokens a bare app is asked for: the body's `max_tokens`, however many messages it came in."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return int(json.loads(body or b"{}").get("max_tokens", 256))
+
+
+def naive_app() -> Any:
+    """The per-token ceiling: a bare ASGI app sending one precomputed event per write."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = json.loads((await receive())["body"] or b"{}")
+        tokens = await _bare_request(receive)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for i in range(int(body.get("max_tokens", tokens_hint))):
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        for i in range(tokens):
+            await send({"type": "http.response.body", "body": EVENT, "more_body": True})
             if i % 16 == 0:
                 await asyncio.sleep(0)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+    return app
+
+
+def ceiling_app() -> Any:
+    """The coalescing ceiling: a bare ASGI app whose token source runs in its own task (as an engine's output
+    does) and whose writer sends every event that is ready in one write, as Tally's relay does; nothing else.
+    The token source hands control back every 16 tokens, like the benchmark engine."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        tokens = await _bare_request(receive)
+        ready: list[bytes] = []
+        wake: list[asyncio.Future[None]] = []
+        finished = False
+
+        def notify() -> None:
+            if wake and not wake[0].done():
+                wake.pop().set_result(None)
+
+        async def source() -> None:
+            nonlocal finished
+            for i in range(1, tokens + 1):
+                ready.append(EVENT)
+                notify()
+                if i % 16 == 0:
+                    await asyncio.sleep(0)
+            finished = True
+            notify()
+
+        task = asyncio.create_task(source())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        while True:
+            if not ready and not finished:
+                wake[:] = [asyncio.get_running_loop().create_future()]
+                await wake[0]
+                continue
+            if not ready:
+                break
+            batch = b"".join(ready)
+            ready.clear()
+            await send({"type": "http.response.body", "body": batch, "more_body": True})
+        await task
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
     return app
 
@@ -135,7 +197,7 @@ STACKS = {"uvloop": {"loop": "uvloop", "http": "httptools"}, "asyncio": {"loop":
 def serve(kind: str, port: int, stack: str) -> None:
     import uvicorn
 
-    apps = {"ceiling": lambda: ceiling_app(256), "pydantic": pydantic_app, "tally": tally_app,
+    apps = {"ceiling": ceiling_app, "naive": naive_app, "pydantic": pydantic_app, "tally": tally_app,
             # the runtime with its counter journal, or its usage records, on (benchmarks/journal.py)
             "tally-journal": lambda: tally_app(journal_path=os.environ["TALLY_BENCH_JOURNAL"]),
             "tally-records": lambda: tally_app(records_file=os.environ["TALLY_BENCH_RECORDS"]),
@@ -303,7 +365,7 @@ def ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs else float("nan")
 
 
-KINDS = ("ceiling", "pydantic", "tally")
+KINDS = ("naive", "ceiling", "pydantic", "tally")
 
 
 def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stack: str,
@@ -342,6 +404,10 @@ def run(streams: Sequence[int], tokens: int, repeats: int, min_tokens: int, stac
         r = report["results"]
         ratios[c] = {
             "throughput_vs_ceiling": ratio(r["tally"][c]["tokens_per_s"], r["ceiling"][c]["tokens_per_s"]),
+            "throughput_vs_naive": ratio(r["tally"][c]["tokens_per_s"], r["naive"][c]["tokens_per_s"]),
+            "cpu_vs_naive": ratio(r["tally"][c]["cpu_s_per_1k_tokens"], r["naive"][c]["cpu_s_per_1k_tokens"]),
+            "first_event_p50_vs_ceiling": ratio(r["tally"][c]["first_event_p50_ms"],
+                                                r["ceiling"][c]["first_event_p50_ms"]),
             "throughput_vs_pydantic": ratio(r["tally"][c]["tokens_per_s"], r["pydantic"][c]["tokens_per_s"]),
             "cpu_vs_ceiling": ratio(r["tally"][c]["cpu_s_per_1k_tokens"], r["ceiling"][c]["cpu_s_per_1k_tokens"]),
             "cpu_vs_pydantic": ratio(r["tally"][c]["cpu_s_per_1k_tokens"], r["pydantic"][c]["cpu_s_per_1k_tokens"]),
@@ -394,7 +460,9 @@ def main() -> None:
         print(f"tally streams={c:>4}: {r['throughput_vs_ceiling']:.2f}x ceiling, "
               f"{r['throughput_vs_pydantic']:.2f}x pydantic throughput; "
               f"CPU per token {r['cpu_vs_ceiling']:.2f}x ceiling, {r['cpu_vs_pydantic']:.2f}x pydantic; "
-              f"p99 gap {r['p99_gap_vs_ceiling']:.2f}x ceiling (per read {r['p99_read_gap_vs_ceiling']:.2f}x)"
+              f"p99 gap {r['p99_gap_vs_ceiling']:.2f}x ceiling (per read {r['p99_read_gap_vs_ceiling']:.2f}x); "
+              f"first event p50 {r['first_event_p50_vs_ceiling']:.2f}x ceiling; "
+              f"vs naive {r['throughput_vs_naive']:.2f}x throughput, {r['cpu_vs_naive']:.2f}x CPU"
               + (f"; adapter vs tally: {r['adapter_throughput_vs_tally']:.2f}x throughput, "
                  f"{r['adapter_cpu_vs_tally']:.2f}x CPU, {r['adapter_p99_gap_vs_tally']:.2f}x p99 gap; "
                  f"adapter vs ceiling: {r['adapter_throughput_vs_ceiling']:.2f}x throughput, "

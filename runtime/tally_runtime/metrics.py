@@ -5,6 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily
@@ -112,6 +113,10 @@ class Metrics:
             registry=r)
         for mode in contract.STREAM_MODES:
             self.stream_mode.labels(mode).set(0)
+        # Each request's series, by label values: prometheus_client's `labels()` costs a lock and a lookup
+        self._request_children: dict[str, Any] = {}
+        self._source_children: dict[str, Any] = {}
+        self._tenant_children: dict[str, tuple[Any, ...]] = {}
         self._resume(self.totals)
 
     def _resume(self, t: Totals) -> None:
@@ -143,18 +148,32 @@ class Metrics:
             self.totals.tenant_overflow += 1
         values = self.totals.tenants.setdefault(label, [0.0, 0.0, 0.0, 0.0])
         counts = (1, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens or 0) if usage else (1, 0, 0, 0)
-        for i, (series, count) in enumerate(zip(self.tenant_series, counts, strict=True)):
+        children = self._tenant_children.get(label)
+        if children is None:  # one lookup per tenant, not four per request (bounded by max_tenants)
+            children = self._tenant_children[label] = tuple(series.labels(label) for series in self.tenant_series)
+        for i, (child, count) in enumerate(zip(children, counts, strict=True)):
             values[i] += count
-            series.labels(label).inc(count)
+            if count:
+                child.inc(count)
 
     def set_stream_mode(self, mode: str) -> None:
         for known in contract.STREAM_MODES:
             self.stream_mode.labels(known).set(1 if known == mode else 0)
 
-    def record_request(self, endpoint: str, outcome: str, finish_reason: str) -> None:
-        self.requests.labels(endpoint, outcome, finish_reason).inc()
+    def record_request(self, endpoint: str, outcome: str, finish_reason: str, tenant_source: str | None = None) -> None:
+        """One request, and what named its tenant (that count is this process's only: it is not journaled)."""
         key = request_key(endpoint, outcome, finish_reason)
+        child = self._request_children.get(key)
+        if child is None:  # the label sets are few (endpoints, outcomes, finish reasons): each looked up once
+            child = self._request_children[key] = self.requests.labels(endpoint, outcome, finish_reason)
+        child.inc()
         self.totals.requests[key] = self.totals.requests.get(key, 0.0) + 1
+        if tenant_source is None:
+            return
+        source = self._source_children.get(tenant_source)
+        if source is None:
+            source = self._source_children[tenant_source] = self.tenant_sources.labels(tenant_source)
+        source.inc()
 
     def record_usage(self, usage: RequestUsage) -> None:
         t = self.totals

@@ -129,8 +129,7 @@ class Server:
 
     def record(self, record: UsageRecord, finish_reason: str, usage: RequestUsage | None = None) -> None:
         """Count one finished request: the metrics, the journal and the usage record, from the same numbers."""
-        self.metrics.record_request(record.endpoint, record.outcome, finish_reason)
-        self.metrics.tenant_sources.labels(record.tenant_source).inc()
+        self.metrics.record_request(record.endpoint, record.outcome, finish_reason, record.tenant_source)
         if usage is not None:
             self.metrics.record_usage(usage)
         if record.outcome not in contract.REFUSED_OUTCOMES:  # per tenant as in the totals: what was served
