@@ -44,6 +44,7 @@ test: install bins images sglang-env  ## everything CI runs
 
 test-sglang:  ## the adapter against SGLang's own engine on the CPU (tests/sglang)
 	SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=tests/sglang_stub $$(hack/sglang/env.sh) -m pytest tests/sglang -p no:cacheprovider
+	$$(hack/sglang/env.sh) benchmarks/frontend.py --concurrency 2 --tokens 8 --requests 2  # its smoke run
 
 unit: install
 	$(PY) -m pytest tests/unit tests/contract
@@ -53,6 +54,7 @@ lint: install
 
 bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/README.md)
 	$(PY) benchmarks/relay.py --streams 1,8 --tokens 256 --repeats 1 --min-tokens 0 --adapter
+	$(PY) benchmarks/burst.py --requests 200 --concurrency 16 --repeats 1 --adapter
 	$(PY) benchmarks/usage_truth.py --streams 16 --tokens 4
 	$(PY) benchmarks/operator_scale.py --services 0 --pods 50
 	$(PY) benchmarks/journal.py --streams 1 --tokens 1 --requests 100 --repeats 1

@@ -311,6 +311,9 @@ def main() -> None:
     print("cancellation:", json.dumps(report["cancellation"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    inexact = [key for key, r in report["results"]["tally"].items() if not r["usage_exact"]]
+    if inexact:  # a benchmark, but also the smoke check that Tally's usage is what its clients received
+        sys.exit(f"Tally's usage differs from the tokens received in: {', '.join(inexact)}")
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def test_required_and_named_tool_calls_validate_every_time_streamed_or_not(url: 
                     pass
                 reply = stream.get_final_completion()
         choice_ = reply.choices[0]
-        assert choice_.finish_reason == "tool_calls" and choice_.message.content is None, choice_
+        assert choice_.finish_reason == "tool_calls" and choice_.message.content is None, repr(choice_.message.content)
         calls = choice_.message.tool_calls or []
         assert calls and all(c.id.startswith("call_") for c in calls)
         for call in calls:
