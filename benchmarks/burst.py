@@ -59,7 +59,7 @@ async def client(port: int, tokens: int, todo: list[int], firsts: list[float], t
 
 async def measure(port: int, pid: int, requests: int, concurrency: int, tokens: int) -> dict[str, float]:
     await client(port, tokens, [0] * 8, [], [])  # warm up
-    todo, firsts, texts = list(range(requests)), [], []  # type: ignore[var-annotated]
+    todo, firsts, texts = list(range(requests)), list[float](), list[int]()
     cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     await asyncio.gather(*(client(port, tokens, todo, firsts, texts) for _ in range(concurrency)))
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0

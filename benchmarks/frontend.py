@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sglang_harness import ENGINE_ARGS, MODEL, sglang_env  # noqa: E402
+import sglang_harness  # noqa: E402
+from runtime_harness import wait_healthy  # noqa: E402
+from sglang_harness import ENGINE_ARGS, MODEL  # noqa: E402
 
 from relay import cpu_seconds, free_port, percentile, raise_open_files  # noqa: E402
 from tally_runtime.contract import COMPLETION_TOKENS  # noqa: E402
@@ -66,22 +68,13 @@ def command(kind: str, port: int, slots: int) -> list[str]:
 
 def start(kind: str, slots: int, log: Path) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command(kind, port, slots), stdout=out, stderr=subprocess.STDOUT, env=sglang_env(),
-                                start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return proc, port
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{kind} not healthy in 600 s: {log.read_text()[-2000:]}")
+    proc, _ = sglang_harness.start(command(kind, port, slots), log)  # its own session: stop() ends the tree
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log, deadline=600)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, port
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -148,13 +141,18 @@ async def one(port: int, route: str, tokens: int, leave_after: int = 0) -> Strea
     sent = time.perf_counter()
     writer.write(f"POST {ROUTES[route]} HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    buffer = b""
+    buffer, first_read = b"", True
     try:
         while True:
             data = await reader.read(65536)
             if not data:
                 break
             now = time.perf_counter()
+            if first_read:  # its status line
+                first_read, status = False, data.split(b"\r\n", 1)[0]
+                if b" 200 " not in status:
+                    seen.error = status.decode(errors="replace")
+                    break
             buffer += data
             complete, _, buffer = buffer.rpartition(b"\n\n")
             done = False
@@ -178,9 +176,6 @@ async def one(port: int, route: str, tokens: int, leave_after: int = 0) -> Strea
                         last = now
                     seen.finish = choice.get("finish_reason") or seen.finish
             if done or (leave_after and texts >= leave_after):
-                break
-            if not complete and buffer.startswith(b"HTTP/1.1") and b" 200 " not in buffer.split(b"\r\n", 1)[0]:
-                seen.error = buffer.split(b"\r\n", 1)[0].decode()
                 break
     finally:
         writer.close()

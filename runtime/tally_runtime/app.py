@@ -26,7 +26,7 @@ from tally_runtime.client_watch import StallGuard
 from tally_runtime.delivery import Delivery
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
-from tally_runtime.fastlane import TallyApp
+from tally_runtime.fastlane import TallyApp, lanes
 from tally_runtime.http_limits import Connections
 from tally_runtime.ledger import Journal, Totals
 from tally_runtime.metrics import Metrics
@@ -111,7 +111,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     app = TallyApp(title="Tally runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
-    app.lanes = {"/v1/completions": completions.create_completion, "/v1/chat/completions": chat.create_chat_completion}
+    app.lanes = lanes(completions.router, chat.router)
     app.metrics_port = settings.metrics_port
     # Read now, so that a keys file that cannot be used stops the runtime before it serves anything.
     app.state.api_keys = ApiKeys(Path(settings.api_keys_file)) if settings.api_keys_file else None

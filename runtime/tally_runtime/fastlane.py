@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from tally_runtime.protocol import ApiError
@@ -45,3 +46,9 @@ class TallyApp(FastAPI):
             log.error("Unhandled error: %r", error)
             response = error_response(ApiError(500, "Internal server error"))
         await response(scope, receive, send)
+
+
+def lanes(*routers: APIRouter) -> dict[str, Handler]:
+    """The POST routes of these routers, by path: each route's own handler, so a path is written once."""
+    return {route.path: route.endpoint for router in routers for route in router.routes
+            if isinstance(route, APIRoute) and route.methods == {"POST"}}

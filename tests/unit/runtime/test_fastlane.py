@@ -4,7 +4,7 @@ every path on the metrics port, goes through FastAPI as before; a handler's fail
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -85,3 +85,16 @@ def test_the_metrics_port_refuses_a_lanes_path() -> None:
     assert seen == []
     assert asyncio.run(post(8000)) == 200
     assert seen == ["app"]
+
+
+def test_the_runtime_takes_both_completion_routes_in_its_lane() -> None:
+    """Without this a lane that lost a path would still answer (through FastAPI), only slower."""
+    from tally_runtime.app import create_app
+    from tally_runtime.engine.base import Engine
+    from tally_runtime.routes import chat, completions
+    from tally_runtime.settings import Settings
+
+    app = create_app(Settings(), cast(Engine, None))  # the engine is first used by the lifespan, not run here
+    assert isinstance(app, TallyApp)
+    assert dict(app.lanes) == {"/v1/completions": completions.create_completion,
+                               "/v1/chat/completions": chat.create_chat_completion}
