@@ -321,14 +321,23 @@ class LlamaCppEngine:
         return bytes(llama.detokenize([token])).decode("utf-8", errors="replace")
 
 
+# llama-cpp-python's copy of the converter lets a JSON string hold raw control characters (`[^"\\]`), which
+# no JSON parser accepts: a model that wrote a newline in a name broke the client's parse. llama.cpp's own
+# converter and the JSON grammar bundled with the same module exclude them; so does this rule.
+_LOOSE_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
+
+
 def _gbnf(schema: str) -> str:
-    """The GBNF grammar llama.cpp's converter makes of a JSON schema (ValueError: it cannot)."""
+    """The GBNF grammar llama.cpp's converter makes of a JSON schema (ValueError: it cannot), with JSON's
+    string characters: no raw control characters."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
-        return str(json_schema_to_gbnf(schema))
+        grammar = str(json_schema_to_gbnf(schema))
     except Exception as err:  # the converter raises whatever it meets (KeyError, TypeError, ValueError...)
         raise ValueError(f"llama.cpp cannot make a grammar of it: {type(err).__name__}: {err}") from None
+    return grammar.replace(_LOOSE_CHAR, _JSON_CHAR)
 
 
 def _join_all(threads: Sequence[threading.Thread]) -> None:
