@@ -15,7 +15,7 @@ from tally_runtime.settings import Settings, from_environment
 if TYPE_CHECKING:
     from tally_runtime.http_limits import Connections
 
-USAGE = "usage: tally-runtime serve [--help] [options]"
+USAGE = "usage: tally-runtime {serve,activate} [--help] [options]"
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -113,8 +113,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)
-        print("\ncommands:\n  serve    run the OpenAI-compatible server (see 'tally-runtime serve --help')")
+        print("\ncommands:\n  serve    run the OpenAI-compatible server (see 'tally-runtime serve --help')"
+              "\n  activate hold a scaled-to-zero service's requests until a pod is ready")
         sys.exit(0 if args else 2)
+    if args[0] == "activate":
+        from tally_runtime.activator import main as activate
+
+        activate(args[1:])
+        return
     if args[0] != "serve":
         print(f"{USAGE}\ntally-runtime: unknown command {args[0]!r}", file=sys.stderr)
         sys.exit(2)

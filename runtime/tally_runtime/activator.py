@@ -1,0 +1,358 @@
+"""`tally-runtime activate`: the activator of a service scaled to zero (docs/DESIGN.md, "Scale to zero").
+
+While a CompletionService has no ready pod, the operator points its Service at these pods. Each request is
+held in a bounded FIFO until a pod behind the backend Service (`<name>-pods`: the runtime pods, ready ones
+only) answers, then sent there and its response streamed back unchanged: the client sees one ordinary
+response, later. The operator long-polls `/held` on the metrics port, so a held request asks for a pod at
+once, not at the next scrape.
+
+What it never does: bill (the pod counts what it generates; a request that times out here never reached a
+model), read API keys (the pod authenticates the forwarded request), or hold without bounds (queue length,
+held time, body size; a refusal is the OpenAI 503 envelope with `Retry-After`). Every request, held or not,
+is forwarded once a pod answers, so a client whose connection lands here after a pod is ready is only
+relayed (the Service points back at the pods within seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("tally_runtime.activator")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+T = TypeVar("T")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those httpx or uvicorn set for their own connection
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                        "upgrade", "host", "content-length"})
+MAX_WAIT_SECONDS = 30.0  # the longest /held long-poll
+FRESH_SECONDS = 1.0  # a probe this recent that found a pod lets a request through without holding it
+
+
+@dataclass(frozen=True, slots=True)
+class ActivatorSettings:
+    service: str  # namespace/name, for messages and logs
+    backend: str  # the runtime pods' Service, e.g. http://chat-pods.team.svc:8000
+    port: int = 8000
+    metrics_port: int = 8001
+    host: str = "::"
+    max_held: int = 64  # requests held at once; more get 503
+    hold_seconds: float = 300.0  # how long a request waits for a ready pod before its 503
+    max_body_bytes: int = 4 << 20
+    probe_seconds: float = 0.25  # between probes of the backend while something is held
+
+
+class Refusal(Exception):
+    """A request answered here with the OpenAI error envelope; nothing reached a model."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+    def response(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        kind = "service_unavailable_error" if self.status == 503 else "invalid_request_error"
+        body = orjson.dumps({"error": {"message": self.message, "type": kind, "param": None, "code": self.code}})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if self.retry_after is not None:
+            headers.append((b"retry-after", str(self.retry_after).encode()))
+        return self.status, headers, body
+
+
+class ClientGone(Exception):
+    """The client disconnected: nothing more to send it."""
+
+
+class ActivatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.held = Gauge("tally_activator_held_requests", "Requests held now, waiting for a ready pod",
+                          registry=self.registry)
+        self.requests = Counter("tally_activator_requests", "Requests by outcome: forwarded after holding, "
+                                "relayed (a pod was ready), timeout, overflow, too_large, gone (the client left "
+                                "while held), upstream_error", ["outcome"], registry=self.registry)
+        self.cold_start = Histogram("tally_activator_cold_start_seconds", "From a request held to its response's "
+                                    "first byte from the pod", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+                                    registry=self.registry)
+        self.last_cold_start = Gauge("tally_activator_last_cold_start_seconds", "The most recent held request's "
+                                     "held-to-first-byte time", registry=self.registry)
+
+
+class Activator:
+    """The held-request queue and the backend probe. One per process; touched only from its event loop."""
+
+    def __init__(self, settings: ActivatorSettings, client: httpx.AsyncClient | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.metrics = ActivatorMetrics()
+        self.client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=2.0, read=600.0, write=30.0, pool=5.0), trust_env=False,
+            limits=httpx.Limits(max_connections=settings.max_held * 2 + 64, max_keepalive_connections=32))
+        self.clock = clock
+        self.waiting: deque[asyncio.Future[None]] = deque()  # FIFO of held requests
+        self.ready_at = -1e9  # when a probe last found a pod answering
+        self.last_cold_start: float | None = None
+        self._prober: asyncio.Task[None] | None = None
+        self._held_changed = asyncio.Event()
+
+    # ---- the queue
+
+    @property
+    def held(self) -> int:
+        return len(self.waiting)
+
+    def pod_fresh(self) -> bool:
+        return self.clock() - self.ready_at < FRESH_SECONDS
+
+    async def hold(self) -> None:
+        """Wait, in arrival order, until a probe finds a pod; Refusal when full or when held too long."""
+        if self.held >= self.settings.max_held:
+            self.metrics.requests.labels("overflow").inc()
+            raise Refusal(503, f"{self.settings.service} is starting from zero and already holds "
+                               f"{self.settings.max_held} requests; retry later", "service_starting",
+                          retry_after=max(1, int(self.settings.hold_seconds // 10)))
+        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(ticket)
+        self._changed()
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._probe_until_empty())
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket), self.settings.hold_seconds)
+        except TimeoutError:
+            self.metrics.requests.labels("timeout").inc()
+            raise Refusal(503, f"No pod of {self.settings.service} became ready within "
+                               f"{self.settings.hold_seconds:g}s; the request never reached a model and is not "
+                               "billed", "service_starting", retry_after=max(1, int(self.settings.hold_seconds // 10))
+                          ) from None
+        finally:
+            if ticket in self.waiting:
+                self.waiting.remove(ticket)
+            if not ticket.done():
+                ticket.cancel()
+            self._changed()
+
+    def _changed(self) -> None:
+        self.metrics.held.set(self.held)
+        self._held_changed.set()
+        self._held_changed = asyncio.Event()
+
+    async def _probe_until_empty(self) -> None:
+        while self.waiting:
+            if await self.probe():
+                self.ready_at = self.clock()
+                for ticket in self.waiting:  # in arrival order; each leaves the queue itself
+                    if not ticket.done():
+                        ticket.set_result(None)
+                return
+            await asyncio.sleep(self.settings.probe_seconds)
+
+    async def probe(self) -> bool:
+        """Does a ready pod answer behind the backend Service? Any answer but 503 (a draining pod) is one;
+        kube-proxy refuses the connection while the Service has no ready endpoint."""
+        try:
+            response = await self.client.get(self.settings.backend + "/v1/models", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code != 503
+
+    async def wait_held(self, seconds: float) -> int:
+        """The operator's long-poll: the held count as soon as it is above zero, or after `seconds`."""
+        deadline = self.clock() + min(max(seconds, 0.0), MAX_WAIT_SECONDS)
+        while self.held == 0 and self.clock() < deadline:
+            changed = self._held_changed
+            try:
+                await asyncio.wait_for(changed.wait(), deadline - self.clock())
+            except TimeoutError:
+                break
+        return self.held
+
+    # ---- the HTTP side
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope.get("server") and scope["server"][1] == self.settings.metrics_port:
+            await self._metrics_port(scope, send)
+            return
+        try:
+            await self._relay(scope, receive, send)
+        except ClientGone:
+            return
+        except Refusal as refusal:
+            status, headers, body = refusal.response()
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _metrics_port(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        if path == "/metrics":
+            body, kind = generate_latest(self.metrics.registry), b"text/plain; version=0.0.4"
+        elif path == "/health":
+            body, kind = b'{"status":"ok"}', b"application/json"
+        elif path == "/held":
+            wait = _query_float(scope.get("query_string", b""), "wait")
+            held = await self.wait_held(wait)
+            body = orjson.dumps({"held": held, "lastColdStartSeconds": self.last_cold_start})
+            kind = b"application/json"
+        else:
+            body, kind = b'{"error":"not found"}', b"application/json"
+            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", kind)]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._body(receive)
+        held_at = None
+        if not self.pod_fresh():
+            held_at = self.clock()
+            await self._while_connected(self.hold(), receive)
+        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string") or b""
+        url = self.settings.backend + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await self._while_connected(self.client.send(request, stream=True), receive)
+        except httpx.HTTPError as err:
+            self.metrics.requests.labels("upstream_error").inc()
+            raise Refusal(503, f"The pod of {self.settings.service} could not be reached ({type(err).__name__}); "
+                               "retry", "service_starting", retry_after=1) from None
+        try:
+            if held_at is not None:
+                self.last_cold_start = self.clock() - held_at
+                self.metrics.cold_start.observe(self.last_cold_start)
+                self.metrics.last_cold_start.set(self.last_cold_start)
+            self.metrics.requests.labels("forwarded" if held_at is not None else "relayed").inc()
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k, v) for k, v in response.headers.raw
+                                    if k.decode("latin-1").lower() not in HOP_BY_HOP - {"content-length"}]})
+            await self._while_connected(self._stream(response, send), receive)
+        finally:
+            await response.aclose()
+
+    @staticmethod
+    async def _stream(response: httpx.Response, send: Send) -> None:
+        async for chunk in response.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _body(self, receive: Receive) -> bytes:
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            body += message.get("body", b"")
+            if len(body) > self.settings.max_body_bytes:
+                self.metrics.requests.labels("too_large").inc()
+                raise Refusal(413, f"The request body is larger than {self.settings.max_body_bytes} bytes",
+                              "request_too_large")
+            if not message.get("more_body"):
+                return bytes(body)
+
+    async def _while_connected(self, work: Awaitable[T], receive: Receive) -> T:
+        """Run `work` until it ends or the client disconnects (then it is cancelled: a held request leaves
+        the queue; a relayed stream closes its connection to the pod, which bills what it generated)."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            gone.cancel()
+        if not task.done() or task.cancelled():
+            self.metrics.requests.labels("gone").inc()
+            raise ClientGone
+        return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _query_float(query: bytes, name: str) -> float:
+    for pair in query.decode("latin-1").split("&"):
+        key, _, value = pair.partition("=")
+        if key == name:
+            try:
+                number = float(value)
+            except ValueError:
+                return 0.0
+            return number if number == number else 0.0  # NaN waits not at all
+    return 0.0
+
+
+def parse_args(argv: Sequence[str]) -> ActivatorSettings:
+    parser = argparse.ArgumentParser(prog="tally-runtime activate", allow_abbrev=False,
+                                     description="Hold a scaled-to-zero service's requests until a pod is ready.")
+    parser.add_argument("--service", required=True, help="namespace/name of the CompletionService")
+    parser.add_argument("--backend", required=True, help="the runtime pods' Service URL, e.g. http://x-pods:8000")
+    parser.add_argument("--host", default="::")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8001)
+    parser.add_argument("--max-held", type=int, default=64)
+    parser.add_argument("--hold-seconds", type=float, default=300.0)
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    args = parser.parse_args(list(argv))
+    if args.max_held < 1 or not 0 < args.hold_seconds <= 3600 or args.max_body_bytes < 1:
+        parser.error("--max-held, --hold-seconds (at most 3600) and --max-body-bytes must be positive")
+    if not args.backend.startswith(("http://", "https://")):
+        parser.error("--backend must be an http(s) URL")
+    return ActivatorSettings(service=args.service, backend=args.backend.rstrip("/"), port=args.port,
+                             metrics_port=args.metrics_port, host=args.host, max_held=args.max_held,
+                             hold_seconds=args.hold_seconds, max_body_bytes=args.max_body_bytes)
+
+
+def main(argv: Sequence[str]) -> None:
+    import uvicorn
+
+    settings = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sockets = [_listen(settings.host, settings.port), _listen(settings.host, settings.metrics_port)]
+    config = uvicorn.Config(Activator(settings), log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    log.info("Activator for %s: holding up to %d requests for %gs, forwarding to %s", settings.service,
+             settings.max_held, settings.hold_seconds, settings.backend)
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock

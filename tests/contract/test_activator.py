@@ -1,0 +1,160 @@
+"""The activator (`tally-runtime activate`) in front of a runtime that is not there yet, as a service scaled to
+zero sees it: requests are held, the operator's long-poll hears of them at once, and once the real runtime
+(CPU model) starts on the backend port every held stream is answered in full, billed by the runtime exactly
+as the clients were told. Bounds: a full queue and a request held too long get the OpenAI 503 envelope with
+Retry-After; a body too large, 413; a client that leaves while held leaves the queue."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from runtime_harness import free_port, metric_value, terminate, until, wait_healthy
+
+MODEL = "smollm2-135m-instruct"
+STREAMS = 8
+
+
+@contextmanager
+def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[str, str]]:
+    port, metrics = free_port(), free_port()
+    log = tmp_path / f"activator-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "activate", "--service", "team/chat",
+                                 "--backend", f"http://127.0.0.1:{backend_port}", "--host", "127.0.0.1",
+                                 "--port", str(port), "--metrics-port", str(metrics), *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        wait_healthy(f"http://127.0.0.1:{metrics}", proc, log, deadline=60)
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
+    finally:
+        terminate(proc)
+
+
+@contextmanager
+def runtime_on(tmp_path: Path, port: int) -> Iterator[str]:
+    log = tmp_path / "runtime.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "serve", "--host", "127.0.0.1",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log, deadline=120)
+        yield url
+    finally:
+        terminate(proc)
+
+
+def held(metrics: str) -> int:
+    return int(metric_value(httpx.get(f"{metrics}/metrics").text, "tally_activator_held_requests"))
+
+
+def test_held_streams_are_answered_in_full_once_a_pod_starts_and_billed_as_received(tmp_path: Path) -> None:
+    backend = free_port()
+    results: list[Any] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    with activator(tmp_path, backend, "--hold-seconds", "180") as (url, metrics):
+        def stream(i: int) -> None:
+            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=240)
+            try:
+                chunks = list(sdk.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=12,
+                    stream=True, stream_options={"include_usage": True}))
+            except openai.APIError as err:
+                with lock:
+                    failures.append(repr(err))
+                return
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            with lock:
+                results.append((text, chunks[-1].usage, [c.choices[0].finish_reason for c in chunks if c.choices]))
+
+        # The operator's long-poll, started before anything is held, returns as soon as something is
+        polled: list[dict[str, Any]] = []
+        poll = threading.Thread(target=lambda: polled.append(httpx.get(f"{metrics}/held?wait=25", timeout=40).json()))
+        poll.start()
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+        started = time.monotonic()
+        for client in clients:
+            client.start()
+        poll.join(timeout=40)
+        assert polled and polled[0]["held"] >= 1
+        assert time.monotonic() - started < 10, "the long-poll waited for its timeout instead of the first hold"
+        assert until(lambda: held(metrics) == STREAMS, 30), held(metrics)
+        with runtime_on(tmp_path, backend) as runtime:
+            for client in clients:
+                client.join(timeout=240)
+            assert not failures, failures
+            assert len(results) == STREAMS
+            assert held(metrics) == 0
+            page = httpx.get(f"{runtime}/metrics").text
+            billed = (metric_value(page, "tally_prompt_tokens_total"),
+                      metric_value(page, "tally_completion_tokens_total"))
+        told = (sum(u.prompt_tokens for _, u, _ in results), sum(u.completion_tokens for _, u, _ in results))
+        assert billed == told
+        assert all(text and reasons[-1] in {"stop", "length"} for text, _, reasons in results)
+        activator_page = httpx.get(f"{metrics}/metrics").text
+        assert metric_value(activator_page, "tally_activator_requests_total", {"outcome": "forwarded"}) == STREAMS
+        assert metric_value(activator_page, "tally_activator_cold_start_seconds_count") == STREAMS
+        assert httpx.get(f"{metrics}/held").json()["lastColdStartSeconds"] > 0
+
+
+def test_a_request_held_past_its_time_gets_a_503_envelope_with_retry_after(tmp_path: Path) -> None:
+    with activator(tmp_path, free_port(), "--hold-seconds", "1") as (url, _):
+        started = time.monotonic()
+        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4},
+                              timeout=30)
+        assert response.status_code == 503
+        assert 1 <= time.monotonic() - started < 10
+        error = response.json()["error"]
+        assert error["code"] == "service_starting" and "not billed" in error["message"]
+        assert int(response.headers["retry-after"]) >= 1
+        with pytest.raises(openai.InternalServerError):  # the SDK sees an ordinary 503
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).completions.create(
+                model=MODEL, prompt="Hi", max_tokens=4)
+
+
+def test_a_full_queue_refuses_at_once_and_a_client_that_leaves_while_held_leaves_it(tmp_path: Path) -> None:
+    with activator(tmp_path, free_port(), "--max-held", "2", "--hold-seconds", "120") as (url, metrics):
+        leaving = [_send_held(url) for _ in range(2)]
+        assert until(lambda: held(metrics) == 2, 30)
+        started = time.monotonic()
+        third = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=30)
+        assert third.status_code == 503 and time.monotonic() - started < 5
+        assert third.json()["error"]["code"] == "service_starting" and "retry-after" in third.headers
+        for sock in leaving:  # the held clients hang up: their places are free again
+            sock.close()
+        assert until(lambda: held(metrics) == 0, 30), held(metrics)
+        page = httpx.get(f"{metrics}/metrics").text
+        assert metric_value(page, "tally_activator_requests_total", {"outcome": "gone"}) == 2
+        assert metric_value(page, "tally_activator_requests_total", {"outcome": "overflow"}) == 1
+
+
+def test_a_body_over_the_bound_is_a_413_and_nothing_is_held(tmp_path: Path) -> None:
+    with activator(tmp_path, free_port(), "--max-body-bytes", "1024") as (url, metrics):
+        response = httpx.post(f"{url}/v1/completions", content=b"x" * 4096, timeout=30,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+        assert held(metrics) == 0
+
+
+def _send_held(url: str) -> socket.socket:
+    """A client that sends a whole request and waits (the test closes its socket to leave)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = b'{"model": "m", "prompt": "Hi"}'
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
