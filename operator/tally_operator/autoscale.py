@@ -21,15 +21,19 @@ round scales down to more pods than it read. A scale-down removes at most half t
 Defaults (and why they differ from KPA's 60 s stable / 6 s panic, AIBrix's 180 s / 60 s and 300 s delay):
 a 300 s stable window, a 60 s panic window, at most 2x per step, and a 600 s scale-down delay. A GPU pod takes
 minutes to start and a removed one is expensive to get back, so Tally reacts to bursts as fast as AIBrix but
-gives capacity up more slowly than any of them. Scale to zero is not supported (`minReplicas` >= 1: it needs
-something that holds requests while the first pod starts; docs/DESIGN.md).
+gives capacity up more slowly than any of them.
+
+Scale to zero (`minReplicas: 0`) is two steps outside those windows (`zero_step`): from zero, one pod as soon
+as the activator holds a request (Knative's activation); to zero, only from one pod, after the scale-to-zero
+grace with no traffic at all (no request counted, nothing running, queued or held). Between them the
+windows above decide as with `minReplicas: 1`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tally_operator.conditions import SCALING_LIMITED, Verdict  # ScalingLimited: True while held back
 from tally_runtime import contract
@@ -55,6 +59,14 @@ class Autoscaling:
     panic_window_seconds: float = 60.0
     scale_down_delay_seconds: float = 600.0
     max_scale_up_rate: float = 2.0
+    scale_to_zero_grace_seconds: float = 900.0  # with min_replicas 0: idle this long, then no pod
+    hold_seconds: float = 600.0  # with min_replicas 0: how long the activator holds a request
+    max_held_requests: int = 64  # with min_replicas 0: the activator's queue, per activator pod
+    activator_replicas: int = 2
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.min_replicas == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +84,8 @@ class Recommendation:
 @dataclass(frozen=True, slots=True)
 class Decision:
     replicas: int
-    reason: str  # Steady, ScaleUp, Panic, ScaleDown, PodsStarting, CapacityUnavailable, AtMax, Bounds, NoSignal
+    reason: str  # Steady, ScaleUp, Panic, ScaleDown, PodsStarting, CapacityUnavailable, AtMax, Bounds, NoSignal,
+    # Activated, ScaledToZero, Idle
     message: str
     stable_signal: float | None = None
     panic_signal: float | None = None
@@ -139,6 +152,28 @@ def decide(config: Autoscaling, history: Sequence[Observation], recommendations:
         return decision(target, "ScaleDown", f"{metric} averaged {stable:.2f} over "
                                              f"{config.stable_window_seconds:g}s: {target} pod(s)")
     return decision(clamp(current, config), "Steady", f"{metric} averaged {stable:.2f}: {current} pod(s)")
+
+
+def zero_step(config: Autoscaling, decision: Decision, current: int, held: int, idle_seconds: float) -> Decision:
+    """With `minReplicas: 0`, the steps to and from zero around the windows' `decision` (made with a floor of
+    one pod): from zero, one pod once anything is held; to zero, from one pod, once nothing was held, ran,
+    queued or counted for the whole grace."""
+    if not config.scales_to_zero:
+        return decision
+    if current == 0:
+        if held:
+            return Decision(1, "Activated", f"{held} request(s) held by the activator: starting a pod")
+        return Decision(0, "Idle", "No pod and no request held")
+    if current == 1 and decision.replicas <= 1 and not held and idle_seconds >= config.scale_to_zero_grace_seconds:
+        return replace(decision, replicas=0, reason="ScaledToZero",
+                       message=f"No traffic for {idle_seconds:.0f}s (grace {config.scale_to_zero_grace_seconds:g}s): "
+                               "no pod; the activator holds the next request")
+    return decision
+
+
+def with_floor(config: Autoscaling) -> Autoscaling:
+    """The windows' config: with scale to zero, they decide as if the floor were one pod."""
+    return replace(config, min_replicas=max(1, config.min_replicas))
 
 
 def clamp(replicas: int, config: Autoscaling) -> int:

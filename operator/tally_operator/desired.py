@@ -221,16 +221,95 @@ def desired_deployment(meta: Mapping[str, Any], spec: Spec, settings: OperatorSe
     }
 
 
-def desired_service(meta: Mapping[str, Any]) -> Obj:
+def desired_service(meta: Mapping[str, Any], to_activator: bool = False) -> Obj:
+    """The service's Service: its runtime pods, or while a service scaled to zero has no ready pod, its
+    activator's pods (Knative's serverless Service, switched by selector)."""
+    name = meta["name"]
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(meta),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(meta["name"]),
+            "selector": activator_selector(name) if to_activator else selector_labels(name),
             "ports": [{"name": c.RUNTIME_PORT_NAME, "port": c.RUNTIME_PORT, "targetPort": c.RUNTIME_PORT_NAME,
                        "protocol": "TCP", "appProtocol": "http"}],
+        },
+    }
+
+
+def activator_selector(name: str) -> dict[str, str]:
+    return {c.LABEL_ACTIVATOR: name}
+
+
+def routes_to_activator(service: Mapping[str, Any] | None) -> bool:
+    """Whether a Service as read selects the activator's pods."""
+    return ((service or {}).get("spec") or {}).get("selector") == activator_selector(str(
+        ((service or {}).get("metadata") or {}).get("name", "")))
+
+
+def backend_url(meta: Mapping[str, Any], settings: OperatorSettings) -> str:
+    return (f"http://{meta['name']}{c.BACKEND_SUFFIX}.{meta['namespace']}.svc.{settings.cluster_domain}:"
+            f"{c.RUNTIME_PORT}")
+
+
+def desired_backend_service(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
+    """With scale to zero: `<name>-pods`, the runtime pods alone (ready ones), where the activator forwards."""
+    if spec.autoscaling is None or not spec.autoscaling.scales_to_zero:
+        return None
+    service = desired_service(meta)
+    service["metadata"]["name"] = meta["name"] + c.BACKEND_SUFFIX
+    return service
+
+
+def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj | None:
+    """With scale to zero: the activator Deployment (`tally-runtime activate`, the operator's runtime image:
+    it runs no model, needs no GPU, no API keys and no API access)."""
+    scaling = spec.autoscaling
+    if scaling is None or not scaling.scales_to_zero:
+        return None
+    name = meta["name"]
+    pod_labels = {**activator_selector(name), c.LABEL_NAME: "tally-activator", c.LABEL_INSTANCE: name,
+                  c.LABEL_COMPONENT: "activator", c.LABEL_PART_OF: "tally", c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+    probe = {"httpGet": {"path": "/health", "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": 2,
+             "timeoutSeconds": 2, "failureThreshold": 3}
+    container: Obj = {
+        "name": "activator",
+        "image": settings.runtime_image,
+        "args": ["activate", "--service", f"{meta['namespace']}/{name}", "--backend", backend_url(meta, settings),
+                 "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
+                 "--max-held", str(scaling.max_held_requests), "--hold-seconds", f"{scaling.hold_seconds:g}"],
+        "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
+                  {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "periodSeconds": 10},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {**_metadata(meta), "name": name + c.ACTIVATOR_SUFFIX, "labels": pod_labels},
+        "spec": {
+            "replicas": scaling.activator_replicas,
+            "selector": {"matchLabels": activator_selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "automountServiceAccountToken": False,
+                    **({"imagePullSecrets": [{"name": n} for n in settings.runtime_image_pull_secrets]}
+                       if settings.runtime_image_pull_secrets else {}),
+                    # held requests are forwarded before it exits, as long as a pod answers by then
+                    "terminationGracePeriodSeconds": 60,
+                },
+            },
         },
     }
 

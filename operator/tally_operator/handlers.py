@@ -17,12 +17,13 @@ import kopf
 from tally_operator import constants as c
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, ServiceMemory, reconcile, release_pods
+from tally_operator.reconcile import Context, ServiceMemory, held_now, reconcile, release_pods
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
 
 SETTINGS = OperatorSettings.from_env()
 RETRY_SECONDS = 10
+ACTIVATION_POLL_SECONDS = 25  # the activator long-poll's length (it returns at once when something is held)
 
 
 @kopf.on.startup()
@@ -69,6 +70,28 @@ async def periodic_reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.status_interval, idle=0)
 async def refresh_status(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     await run(body, memo, apply_children=False)
+
+
+def scales_to_zero(spec: kopf.Spec, **_: Any) -> bool:
+    scaling = spec.get("autoscaling") or {}
+    return bool(scaling) and bool(scaling.get("enabled", True)) and scaling.get("minReplicas", 1) == 0
+
+
+@kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, when=scales_to_zero, cancellation_timeout=5)
+async def activation(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """With scale to zero: long-poll the activator, and run a pass as soon as it holds a request (which
+    starts a pod at zero, and points the Service back at the pods once one is ready), then every second
+    while anything is held."""
+    meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
+    while not stopped:
+        try:
+            held = await held_now(memo.context, meta, wait=ACTIVATION_POLL_SECONDS)
+            if held.requests:
+                await run(body, memo, apply_children=False)
+        except (KubeError, kopf.TemporaryError) as error:
+            logging.getLogger("tally_operator").info("Activation check of %s/%s failed: %s", meta["namespace"],
+                                                     meta["name"], error)
+        await stopped.wait(1.0)  # paces the loop: a long-poll with something held answers at once
 
 
 async def run(body: kopf.Body, memo: kopf.Memo, apply_children: bool) -> None:

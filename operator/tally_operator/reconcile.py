@@ -28,6 +28,7 @@ from typing import Any
 import kopf
 
 from tally_operator import constants as c
+from tally_operator.activation import Held, read_held
 from tally_operator.autoscale import (
     Autoscaling,
     Decision,
@@ -39,15 +40,20 @@ from tally_operator.autoscale import (
     round_signal,
     scaling_status,
     scaling_verdict,
+    with_floor,
+    zero_step,
 )
 from tally_operator.bookkeeping import Observed, Plan, plan
 from tally_operator.conditions import is_bad
 from tally_operator.desired import (
+    desired_activator,
+    desired_backend_service,
     desired_deployment,
     desired_network_policy,
     desired_pdb,
     desired_service,
     endpoint,
+    routes_to_activator,
 )
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
@@ -75,6 +81,7 @@ from tally_operator.usage import (
     pod_url,
     scrape_targets,
 )
+from tally_runtime import contract
 from tally_runtime.contract import BUDGETS_PATH, FINAL_READ_PATH, FINAL_READ_SIGNATURE_HEADER
 
 log = logging.getLogger("tally_operator")
@@ -124,6 +131,10 @@ class Scaling:
     history: tuple[Observation, ...] = ()
     recommendations: tuple[Recommendation, ...] = ()
     last_scale_time: str | None = None
+    # scale to zero: when traffic was last seen (a restarted operator waits a whole grace), and each pod's
+    # request counter as last read (a change is traffic)
+    active_at: float = field(default_factory=time.monotonic)
+    requests_seen: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,7 @@ class Scraped:
     refused: Mapping[str, str]  # pod uid -> why its /metrics were not trusted this round
     decision: Decision | None = None  # autoscaling's, on this round's signal
     scaling: Scaling | None = None  # the memory to keep once the status holding the decision has landed
+    held: Held | None = None  # scale to zero: what the activator holds (None: no activator read)
 
 
 async def reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
@@ -159,8 +171,19 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     # A pass that sees a generation the status has not observed applies it first: observedGeneration never
     # claims a spec whose children were not written (a status timer can run before the update handler).
     apply_children = apply_children or generation != int(obj["status"].get("observedGeneration") or 0)
-    if spec.autoscaling is not None:  # the operator owns the count: the Deployment's (spec.replicas is not it)
-        spec = replace(spec, replicas=await decided_replicas(ctx, meta, spec.autoscaling))
+    activated: Held | None = None
+    scaling = spec.autoscaling
+    if scaling is not None:  # the operator owns the count: the Deployment's (spec.replicas is not it)
+        spec = replace(spec, replicas=await decided_replicas(ctx, meta, scaling))
+        if scaling.scales_to_zero and len(meta["name"]) > c.MAX_NAME_WITH_ACTIVATOR:
+            too_long = SpecError("InvalidSpec", f"Scale to zero needs a name of at most {c.MAX_NAME_WITH_ACTIVATOR} "
+                                                f"characters (its Service <name>{c.BACKEND_SUFFIX} is a DNS label)")
+            await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(too_long), fields)))
+            return
+        if scaling.scales_to_zero and spec.replicas == 0:  # a held request starts a pod at once
+            held = await held_now(ctx, meta)
+            if held.requests:
+                spec, activated, apply_children = replace(spec, replicas=1), held, True
     elif memory.scaling.history or memory.scaling.recommendations:
         memory.scaling = Scaling()  # switched off: switched on again, it starts afresh
     try:
@@ -180,6 +203,14 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         observed = Observed(generation, invalid_verdicts(memory.apply_error), fields)
         await commit(ctx, body, memory, obj, fixed(observed))
         return
+    if activated is not None:
+        memory.scaling = replace(memory.scaling, active_at=time.monotonic(), last_scale_time=now())
+        log.info("Scaled %s/%s from 0 to 1 pod: %d request(s) held", meta["namespace"], meta["name"],
+                 activated.requests)
+        ctx.post_event(body, "Normal", "ScaledUp", f"0 -> 1 pod (Activated): {activated.requests} request(s) held "
+                                                   "by the activator")
+    if spec.autoscaling is not None and spec.autoscaling.scales_to_zero:
+        await asyncio.to_thread(route, ctx, body, meta, to_activator=spec.replicas == 0 or not serving_uids(pods))
     fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
     fields["desiredReplicas"] = spec.replicas  # with autoscaling, the count it decided (read from the Deployment)
     ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
@@ -192,10 +223,14 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         scraped = await scrape_round(ctx, meta, pods, current) if due else None
         more_fields, more_verdicts = dict(fields), list(verdicts)
         if scraped is not None and spec.autoscaling is not None:
+            if spec.autoscaling.scales_to_zero:
+                scraped = replace(scraped, held=await held_now(ctx, meta))
             scraped = autoscale(spec.autoscaling, spec.replicas, pods, scraped, memory.scaling)
             assert scraped.decision is not None and scraped.scaling is not None
             more_fields["autoscaling"] = scaling_status(spec.autoscaling, scraped.decision, spec.replicas,
                                                         sum(map(is_ready, pods)), scraped.scaling.last_scale_time)
+            if scraped.held is not None:
+                more_fields["autoscaling"] |= scraped.held.status(time.monotonic() - scraped.scaling.active_at)
             more_verdicts.append(scaling_verdict(scraped.decision))
         return Observed(generation, more_verdicts, more_fields, scraped.round if scraped else None,
                         spec.max_mismatch_ratio, spec.budgets, spec.budgets is None,
@@ -215,6 +250,10 @@ async def decided_replicas(ctx: Context, meta: Mapping[str, str], config: Autosc
     return clamp(running or config.min_replicas, config)  # bounds lowered or raised in the spec apply at once
 
 
+async def held_now(ctx: Context, meta: Mapping[str, str], wait: float = 0.0) -> Held:
+    return await read_held(ctx.kube, meta, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout, wait)
+
+
 def serving_uids(pods: list[dict[str, Any]]) -> list[str]:
     """The pods a decision is about: ready and not terminating."""
     return [p["metadata"]["uid"] for p in pods if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
@@ -226,19 +265,39 @@ def autoscale(config: Autoscaling, current: int, pods: list[dict[str, Any]], scr
     not read counts as at target; a round that read none adds nothing to the history."""
     at = time.monotonic()
     if scaling.history and at - scaling.history[-1].at > config.stable_window_seconds:
-        scaling = Scaling(since=at, last_scale_time=scaling.last_scale_time)  # paused or blind that long: afresh
+        scaling = Scaling(since=at, last_scale_time=scaling.last_scale_time,  # paused or blind that long: afresh
+                          active_at=max(scaling.active_at, at - config.stable_window_seconds))
     serving = serving_uids(pods)
     loads = [scraped.round.samples[uid].load for uid in serving if uid in scraped.round.samples]
     signal = round_signal(config.metric, config.target, loads, len(serving) - len(loads))
     observed = (Observation(at, signal),) if signal is not None else ()
     history = tuple(o for o in (*scaling.history, *observed) if o.at > at - config.stable_window_seconds)
-    decision = decide(config, history, scaling.recommendations, current, sum(map(is_ready, pods)),
-                      bool(unschedulable_message(pods)), at, scaling.since, read=len(loads))
+    if current:
+        decision = decide(with_floor(config), history, scaling.recommendations, current, sum(map(is_ready, pods)),
+                          bool(unschedulable_message(pods)), at, scaling.since, read=len(loads))
+    else:
+        decision = Decision(0, "Idle", "No pod")
+    held = scraped.held.requests if scraped.held is not None else 0
+    seen = {uid: sample.all_requests for uid, sample in scraped.round.samples.items()}
+    if busy(scraped, loads, held, len(serving), scaling.requests_seen):
+        scaling = replace(scaling, active_at=at)
+    decision = zero_step(config, decision, current, held, at - scaling.active_at)
     made = (decision.recommendation,) if decision.recommendation else ()
     recommendations = tuple(r for r in (*scaling.recommendations, *made)
                             if r.at > at - config.scale_down_delay_seconds)
-    after = replace(scaling, history=history, recommendations=recommendations)
+    after = replace(scaling, history=history, recommendations=recommendations, requests_seen=seen)
     return replace(scraped, decision=decision, scaling=after)
+
+
+def busy(scraped: Scraped, loads: list[Mapping[str, float]], held: int, serving: int,
+         seen: Mapping[str, float]) -> bool:
+    """Traffic this round, for scale to zero: anything held, running or queued, a request counted since the
+    last round, or a serving pod not read (what cannot be seen is not idle)."""
+    if held or len(loads) < serving:
+        return True
+    if any(load.get(contract.INFLIGHT_GENERATIONS, 0.0) or load.get(contract.QUEUED_REQUESTS, 0.0) for load in loads):
+        return True
+    return any(sample.all_requests != seen.get(uid, 0.0) for uid, sample in scraped.round.samples.items())
 
 
 async def rescale(ctx: Context, body: kopf.Body, meta: Mapping[str, str], spec: Spec, memory: ServiceMemory,
@@ -250,6 +309,8 @@ async def rescale(ctx: Context, body: kopf.Body, meta: Mapping[str, str], spec: 
     ctx.metrics.scaling(meta["namespace"], meta["name"], spec.replicas, decision.replicas, decision.stable_signal)
     if decision.replicas == spec.replicas:
         return
+    if decision.replicas == 0:  # the activator takes new requests before the last pod starts to drain
+        await asyncio.to_thread(route, ctx, body, meta, to_activator=True)
     if decision.replicas < spec.replicas:
         for pod in pods:
             uid = pod["metadata"]["uid"]
@@ -450,23 +511,41 @@ def apply_all(ctx: Context, meta: dict[str, str], spec: Spec) -> None:
     """Apply every child; a child this service does not need is deleted. Only objects this CompletionService
     controls are ever written or deleted: a same-named object of someone else's is left alone, and the
     pass stops with `NameConflict` (the status and an Event say so)."""
-    children: list[tuple[str, str, dict[str, Any] | None]] = [
-        ("apps/v1", "Deployment", desired_deployment(meta, spec, ctx.settings)),
-        ("v1", "Service", desired_service(meta)),
-        ("policy/v1", "PodDisruptionBudget", desired_pdb(meta, spec)),
-        ("networking.k8s.io/v1", "NetworkPolicy", desired_network_policy(meta, ctx.settings)),
+    name = meta["name"]
+    zero = spec.autoscaling is not None and spec.autoscaling.scales_to_zero
+    children: list[tuple[str, str, str, dict[str, Any] | None]] = [
+        ("apps/v1", "Deployment", name, desired_deployment(meta, spec, ctx.settings)),
+        ("v1", "Service", name, None),  # below: where it points is decided by the pods' readiness (route)
+        ("policy/v1", "PodDisruptionBudget", name, desired_pdb(meta, spec)),
+        ("networking.k8s.io/v1", "NetworkPolicy", name, desired_network_policy(meta, ctx.settings)),
+        ("apps/v1", "Deployment", name + c.ACTIVATOR_SUFFIX, desired_activator(meta, spec, ctx.settings)),
+        ("v1", "Service", name + c.BACKEND_SUFFIX, desired_backend_service(meta, spec)),
     ]
-    for api_version, kind, desired in children:
+    for api_version, kind, child, desired in children:
         if desired is None and kind == "NetworkPolicy" and not ctx.settings.network_policy:
             continue  # never managed here: nothing to look for (and no RBAC to look with)
-        existing = ctx.kube.get(api_version, kind, meta["name"], meta["namespace"])
+        existing = ctx.kube.get(api_version, kind, child, meta["namespace"])
         if existing is not None and controller_uid(existing) != meta["uid"]:
-            raise SpecError("NameConflict", f"A {kind} named {meta['name']} already exists and is not this "
+            raise SpecError("NameConflict", f"A {kind} named {child} already exists and is not this "
                                             f"CompletionService's; it is left alone: delete or rename it")
+        if kind == "Service" and child == name:
+            desired = desired_service(meta, to_activator=zero and routes_to_activator(existing))
         if desired is not None:
             ctx.kube.apply(desired)
         elif existing is not None:
-            ctx.kube.delete(api_version, kind, meta["name"], meta["namespace"], uid=existing["metadata"]["uid"])
+            ctx.kube.delete(api_version, kind, child, meta["namespace"], uid=existing["metadata"]["uid"])
+
+
+def route(ctx: Context, body: Any, meta: Mapping[str, str], to_activator: bool) -> None:
+    """Point a service that scales to zero at its activator (no ready pod) or back at its pods."""
+    service = ctx.kube.get("v1", "Service", meta["name"], meta["namespace"])
+    if service is None or controller_uid(service) != meta["uid"] or routes_to_activator(service) == to_activator:
+        return
+    ctx.kube.apply(desired_service(dict(meta), to_activator=to_activator))
+    where = "its activator (no ready pod)" if to_activator else "its pods"
+    log.info("Service %s/%s now points at %s", meta["namespace"], meta["name"], where)
+    ctx.post_event(body, "Normal", "RoutedToActivator" if to_activator else "RoutedToPods",
+                   f"The Service now points at {where}")
 
 
 def created_at(meta: Mapping[str, Any]) -> float | None:

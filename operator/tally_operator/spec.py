@@ -165,21 +165,30 @@ def check_engine_args(args: tuple[str, ...]) -> None:
 MAX_SCALING_WINDOW_SECONDS = 3600  # as the CRD says
 MIN_TARGET, MAX_TARGET = 0.001, 1e6  # as the CRD says: a target per pod of any signal fits
 MAX_RATE = 1000.0  # maxScaleUpRate, as the CRD says
+MAX_GRACE_SECONDS = 86400  # scaleToZero.graceSeconds, as the CRD says
 
 
 def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
     if not raw or not raw.get("enabled", True):
         return None
+    zero = raw.get("scaleToZero") or {}
     scaling = Autoscaling(
         min_replicas=int(raw.get("minReplicas", 1)), max_replicas=int(raw.get("maxReplicas", 1)),
         metric=str(raw.get("metric", "queuedRequests")), target=float(raw.get("target", 4)),
         stable_window_seconds=float(raw.get("stableWindowSeconds", 300)),
         panic_window_seconds=float(raw.get("panicWindowSeconds", 60)),
         scale_down_delay_seconds=float(raw.get("scaleDownDelaySeconds", 600)),
-        max_scale_up_rate=float(raw.get("maxScaleUpRate", 2.0)))
-    if scaling.min_replicas < 1:
-        raise SpecError("ScaleToZeroUnsupported", "spec.autoscaling.minReplicas 0 (scale to zero) is not supported: "
-                                                  "it needs something that holds requests while the first pod starts")
+        max_scale_up_rate=float(raw.get("maxScaleUpRate", 2.0)),
+        scale_to_zero_grace_seconds=float(zero.get("graceSeconds", 900)),
+        hold_seconds=float(zero.get("holdSeconds", 600)),
+        max_held_requests=int(zero.get("maxHeldRequests", 64)),
+        activator_replicas=int(zero.get("activatorReplicas", 2)))
+    if scaling.min_replicas < 0:
+        raise SpecError("InvalidSpec", "spec.autoscaling.minReplicas must not be negative")
+    if not (0 <= scaling.scale_to_zero_grace_seconds <= MAX_GRACE_SECONDS and 1 <= scaling.hold_seconds <= 3600
+            and 1 <= scaling.max_held_requests <= 10_000 and 1 <= scaling.activator_replicas <= 5):
+        raise SpecError("InvalidSpec", "spec.autoscaling.scaleToZero: graceSeconds 0 to 86400, holdSeconds 1 to "
+                                       "3600, maxHeldRequests 1 to 10000, activatorReplicas 1 to 5")
     if scaling.max_replicas < scaling.min_replicas:
         raise SpecError("InvalidSpec", "spec.autoscaling.maxReplicas must be at least minReplicas")
     if scaling.metric not in METRICS or not MIN_TARGET <= scaling.target <= MAX_TARGET:

@@ -71,8 +71,13 @@ def test_service_and_pdb() -> None:
     pytest.param({"model": {}}, "InvalidSpec", id="no-name"),
     pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "scaleDownDelaySeconds": 86_400}}, "InvalidSpec",
                  id="scaling-delay-beyond-an-hour"),
-    pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "minReplicas": 0}}, "ScaleToZeroUnsupported",
-                 id="scale-to-zero"),
+    pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "minReplicas": -1}}, "InvalidSpec",
+                 id="negative-min"),
+    pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "minReplicas": 0, "scaleToZero": {"holdSeconds": 0}}},
+                 "InvalidSpec", id="hold-nothing"),
+    pytest.param({**SGLANG, "autoscaling": {"maxReplicas": 4, "minReplicas": 0,
+                                            "scaleToZero": {"maxHeldRequests": 10**6}}}, "InvalidSpec",
+                 id="unbounded-queue"),
 ])
 def test_invalid_specs(raw: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError) as caught:
