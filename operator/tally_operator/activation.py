@@ -7,12 +7,11 @@ held: how a held request reaches the operator at once rather than at the next sc
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from tally_operator import constants as c
 from tally_operator.kube import Kube
@@ -51,7 +50,7 @@ def activator_pods(kube: Kube, meta: Mapping[str, str]) -> list[Mapping[str, Any
 
 def parse_held(text: str) -> tuple[int, float | None]:
     """One pod's answer; ValueError if it is not what an activator says."""
-    body = orjson.loads(text)
+    body = json.loads(text)
     if not isinstance(body, dict):
         raise ValueError("not an object")
     held, cold = body.get("held"), body.get("lastColdStartSeconds")
@@ -100,7 +99,7 @@ def _summed(results: Mapping[str, str | Exception]) -> Held:
             continue
         try:
             held, cold = parse_held(result)
-        except ValueError:  # orjson.JSONDecodeError is one
+        except ValueError:  # json.JSONDecodeError is one
             continue
         requests, read = requests + held, read + 1
         if cold is not None:

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 BLOCKED = ("tally_runtime.engine", "tally_runtime.serving", "tally_runtime.app", "fastapi", "uvicorn",
-           "llama_cpp", "sglang", "torch")
+           "llama_cpp", "sglang", "torch", "orjson", "msgspec")  # the last two: runtime-only dependencies
 
 
 SCRIPT = textwrap.dedent(f"""

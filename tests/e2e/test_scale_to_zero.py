@@ -1,0 +1,139 @@
+"""Scale to zero on the real node: a service at zero pods gets 8 concurrent streaming requests through its
+Service; the activator holds them, the operator starts a pod at once, and every stream is answered in full;
+after the grace the service goes back to zero; status.usage equals what the clients were told through both
+transitions. A request held longer than its hold time (a pod that cannot be scheduled) gets a clear 503."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import openai
+import pytest
+from kube_harness import Kubectl, eventually, in_cluster
+from operator_harness import ChartOperator
+from usage_harness import MODEL, service, status, totals_match
+
+pytestmark = pytest.mark.e2e
+
+STREAMS = 8
+RUNTIME = "serving.tally.dev/completionservice=smollm"
+ACTIVATOR = "serving.tally.dev/activator-for=smollm"
+
+
+def at_zero(grace: int = 15, hold: int = 240, gpus: int = 1) -> dict[str, Any]:
+    manifest = service(replicas=1)
+    manifest["spec"]["resources"]["gpus"] = gpus
+    manifest["spec"]["autoscaling"] = {
+        "minReplicas": 0, "maxReplicas": 1, "metric": "queuedRequests", "target": 4, "stableWindowSeconds": 10,
+        "panicWindowSeconds": 4, "scaleDownDelaySeconds": 10,
+        "scaleToZero": {"graceSeconds": grace, "holdSeconds": hold, "maxHeldRequests": 32, "activatorReplicas": 2}}
+    return manifest
+
+
+def pods(kube: Kubectl, selector: str) -> list[dict[str, Any]]:
+    return [p for p in kube.json("get", "pods", "-l", selector)["items"]
+            if not p["metadata"].get("deletionTimestamp") and p["status"].get("phase") not in {"Failed", "Succeeded"}]
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
+
+
+def selector(kube: Kubectl) -> dict[str, str]:
+    return dict(kube.json("get", "service", "smollm")["spec"]["selector"])
+
+
+def seconds(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+def at_rest(kube: Kubectl) -> bool:
+    """Zero runtime pods (none even terminating), two ready activator pods, the Service on the activator."""
+    runtime = kube.json("get", "pods", "-l", RUNTIME)["items"]
+    return (not runtime and sum(map(ready, pods(kube, ACTIVATOR))) == 2
+            and selector(kube) == {"serving.tally.dev/activator-for": "smollm"})
+
+
+def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_through_zero_one_zero(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    kube.apply(at_zero())
+    eventually(lambda: at_rest(kube), 180, interval=1, what="no pod, two ready activators, Service on them")
+    assert (status(kube).get("autoscaling") or {}).get("desiredReplicas", 0) == 0
+    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
+    received: list[dict[str, Any]] = []
+    failures: list[str] = []
+    first_token: list[float] = []
+    lock = threading.Lock()
+
+    def stream(i: int) -> None:
+        with in_cluster(300) as http:
+            sdk = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", http_client=http, max_retries=0)
+            try:
+                usage, text, first = None, "", None
+                for chunk in sdk.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": f"Name {i + 2} colours."}],
+                        max_tokens=16, stream=True, stream_options={"include_usage": True}):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text += chunk.choices[0].delta.content
+                        first = first or time.monotonic()
+                    usage = chunk.usage or usage
+            except openai.APIError as err:
+                with lock:
+                    failures.append(f"{type(err).__name__}: {err}")
+                return
+            assert usage is not None and text
+            with lock:
+                received.append({"prompt": usage.prompt_tokens, "completion": usage.completion_tokens,
+                                 "tenant": "anonymous"})
+                first_token.append((first or time.monotonic()) - started)
+
+    started = time.monotonic()
+    clients = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(timeout=300)
+    assert not failures, failures
+    assert len(received) == STREAMS
+    (pod,) = [p for p in kube.json("get", "pods", "-l", RUNTIME)["items"]]
+    ready_at = next(c["lastTransitionTime"] for c in pod["status"]["conditions"] if c["type"] == "Ready")
+    pod_start = seconds(ready_at) - seconds(pod["metadata"]["creationTimestamp"])
+    scaling = status(kube).get("autoscaling") or {}
+    print(f"\n[scale-to-zero] first token after {min(first_token):.1f}s (p50 "
+          f"{sorted(first_token)[STREAMS // 2]:.1f}s, max {max(first_token):.1f}s); the pod's own start (created "
+          f"-> Ready) {pod_start:.0f}s; status coldStartSeconds {scaling.get('coldStartSeconds')}")
+    eventually(lambda: selector(kube) == {"serving.tally.dev/completionservice": "smollm"}, 60, interval=1,
+               what="the Service back on the pod once it is ready")
+    # Back to zero after the grace: the pod drains, its last counters are read, the Service on the activator
+    eventually(lambda: at_rest(kube), 240, interval=1, what="back to zero after the grace")
+    eventually(lambda: totals_match(kube, received), 90, interval=1,
+               what="status.usage equal to what the clients were told")
+    usage = status(kube).get("usage") or {}
+    assert usage.get("podsUnaccounted") == 0, usage
+    reasons = kube("get", "events", "-o", "jsonpath={.items[*].reason}").split()
+    assert {"ScaledUp", "ScaledDown", "RoutedToPods", "RoutedToActivator"} <= set(reasons), reasons
+    assert (status(kube).get("autoscaling") or {}).get("reason") in {"Idle", "ScaledToZero"}
+
+
+def test_a_request_held_past_its_time_gets_a_clear_503(operator: ChartOperator, kube: Kubectl) -> None:
+    """No node has a thousand GPUs: the pod the held request starts never runs, and the request gets the
+    OpenAI 503 envelope with Retry-After once its hold time is up."""
+    kube.apply(at_zero(hold=3, gpus=1000))
+    eventually(lambda: at_rest(kube), 180, interval=1, what="no pod, two ready activators, Service on them")
+    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
+    with in_cluster(60) as http:
+        began = time.monotonic()
+        response = http.post(f"http://{ip}:8000/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                                        "max_tokens": 4})
+        waited = time.monotonic() - began
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "service_starting" and "not billed" in error["message"]
+    assert int(response.headers["retry-after"]) >= 1 and waited >= 3
+    eventually(lambda: (status(kube).get("autoscaling") or {}).get("desiredReplicas") == 1, 60, interval=1,
+               what="the held request asked for a pod")
+    assert not status(kube).get("usage", {}).get("requests")
+
