@@ -7,7 +7,8 @@ import sys
 import textwrap
 
 BLOCKED = ("tally_runtime.engine", "tally_runtime.serving", "tally_runtime.app", "fastapi", "uvicorn",
-           "llama_cpp", "sglang", "torch", "orjson", "msgspec")  # the last two: runtime-only dependencies
+           "llama_cpp", "sglang", "torch")
+RUNTIME_ONLY = ("orjson", "msgspec")  # the runtime's dependencies, not in the operator's image (probing is fine)
 
 
 SCRIPT = textwrap.dedent(f"""
@@ -23,6 +24,8 @@ SCRIPT = textwrap.dedent(f"""
     import tally_operator.__main__, tally_operator.handlers  # every module of the operator, through its entry
     loaded = sorted(m for m in sys.modules if m.startswith("tally_runtime"))
     assert loaded == ["tally_runtime", "tally_runtime.contract"], loaded
+    imported = [m for m in {RUNTIME_ONLY!r} if m in sys.modules]
+    assert not imported, f"not in the operator's image: {{imported}}"
     print("ok")
 """)
 
