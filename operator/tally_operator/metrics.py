@@ -109,6 +109,10 @@ class OperatorMetrics:
         self.scaling_signal = Gauge(f"{PREFIX}_autoscaling_signal",
                                     "The autoscaling metric summed over the pods, averaged over the stable window",
                                     labels, registry=self.registry)
+        self.held_requests = Gauge(f"{PREFIX}_held_requests", "Scale to zero: requests the activator holds, "
+                                   "waiting for a pod", labels, registry=self.registry)
+        self.cold_start = Gauge(f"{PREFIX}_cold_start_seconds", "Scale to zero: the last held request's time "
+                                "from held to its response's first byte", labels, registry=self.registry)
 
     def serve(self, port: int, address: str) -> None:
         start_http_server(port, addr=address, registry=self.registry)
@@ -139,6 +143,11 @@ class OperatorMetrics:
         if signal is not None:
             self.scaling_signal.labels(namespace, name).set(signal)
 
+    def activation(self, namespace: str, name: str, held: int, cold_start: float | None) -> None:
+        self.held_requests.labels(namespace, name).set(held)
+        if cold_start is not None:
+            self.cold_start.labels(namespace, name).set(cold_start)
+
     def forget(self, namespace: str, name: str) -> None:
         self.ledgers.forget(namespace, name)
         for gauge in (self.budget_remaining, self.budget_spent, self.budget_refusals):
@@ -146,6 +155,6 @@ class OperatorMetrics:
                 gauge.remove(*labels)
         for metric in (self.healthy, self.pods_scraped, self.scrape_failures,
                        self.replicas, self.ready_replicas, self.last_scrape, self.desired_replicas,
-                       self.scaling_signal):
+                       self.scaling_signal, self.held_requests, self.cold_start):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

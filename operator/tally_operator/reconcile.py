@@ -307,6 +307,8 @@ async def rescale(ctx: Context, body: kopf.Body, meta: Mapping[str, str], spec: 
     assert decision is not None and scaling is not None and spec.autoscaling is not None
     memory.scaling = scaling
     ctx.metrics.scaling(meta["namespace"], meta["name"], spec.replicas, decision.replicas, decision.stable_signal)
+    if scraped.held is not None:
+        ctx.metrics.activation(meta["namespace"], meta["name"], scraped.held.requests, scraped.held.cold_start_seconds)
     if decision.replicas == spec.replicas:
         return
     if decision.replicas == 0:  # the activator takes new requests before the last pod starts to drain

@@ -90,7 +90,7 @@ def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_throug
                                  "tenant": "anonymous"})
                 first_token.append((first or time.monotonic()) - started)
 
-    started = time.monotonic()
+    started, wall = time.monotonic(), time.time()
     clients = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
     for client in clients:
         client.start()
@@ -101,12 +101,17 @@ def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_throug
     (pod,) = [p for p in kube.json("get", "pods", "-l", RUNTIME)["items"]]
     ready_at = next(c["lastTransitionTime"] for c in pod["status"]["conditions"] if c["type"] == "Ready")
     pod_start = seconds(ready_at) - seconds(pod["metadata"]["creationTimestamp"])
+    asked = seconds(pod["metadata"]["creationTimestamp"]) - wall  # held -> the pod created (whole seconds)
     scaling = status(kube).get("autoscaling") or {}
-    print(f"\n[scale-to-zero] first token after {min(first_token):.1f}s (p50 "
+    print(f"\n[scale-to-zero] pod created {asked:.0f}s after the requests; first token after "
+          f"{min(first_token):.1f}s (p50 "
           f"{sorted(first_token)[STREAMS // 2]:.1f}s, max {max(first_token):.1f}s); the pod's own start (created "
           f"-> Ready) {pod_start:.0f}s; status coldStartSeconds {scaling.get('coldStartSeconds')}")
     eventually(lambda: selector(kube) == {"serving.tally.dev/completionservice": "smollm"}, 60, interval=1,
                what="the Service back on the pod once it is ready")
+    cold = f'tally_operator_cold_start_seconds{{name="smollm",namespace="{kube.namespace}"}}'
+    eventually(lambda: any(cold in text for text in operator.metrics()), 30, interval=1,
+               what="the cold start on the operator's /metrics")
     # Back to zero after the grace: the pod drains, its last counters are read, the Service on the activator
     eventually(lambda: at_rest(kube), 240, interval=1, what="back to zero after the grace")
     eventually(lambda: totals_match(kube, received), 90, interval=1,
