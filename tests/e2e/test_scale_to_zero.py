@@ -109,9 +109,11 @@ def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_throug
           f"-> Ready) {pod_start:.0f}s; status coldStartSeconds {scaling.get('coldStartSeconds')}")
     eventually(lambda: selector(kube) == {"serving.tally.dev/completionservice": "smollm"}, 60, interval=1,
                what="the Service back on the pod once it is ready")
-    cold = f'tally_operator_cold_start_seconds{{name="smollm",namespace="{kube.namespace}"}}'
-    eventually(lambda: any(cold in text for text in operator.metrics()), 30, interval=1,
-               what="the cold start on the operator's /metrics")
+    def cold_start_exported() -> bool:
+        return any(line.startswith("tally_service_cold_start_seconds{") and f'"{kube.namespace}"' in line
+                   and float(line.rsplit(" ", 1)[1]) > 0 for text in operator.metrics() for line in text.splitlines())
+
+    eventually(cold_start_exported, 30, interval=1, what="the cold start on the operator's /metrics")
     # Back to zero after the grace: the pod drains, its last counters are read, the Service on the activator
     eventually(lambda: at_rest(kube), 240, interval=1, what="back to zero after the grace")
     eventually(lambda: totals_match(kube, received), 90, interval=1,
