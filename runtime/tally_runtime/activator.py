@@ -42,6 +42,10 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "t
                         "upgrade", "host", "content-length"})
 MAX_WAIT_SECONDS = 30.0  # the longest /held long-poll
 FRESH_SECONDS = 1.0  # a probe this recent that found a pod lets a request through without holding it
+# Forwards waiting for their response's head at once: with API keys the pod holds at most 16 connections from
+# one address before a request on them authenticates (--max-unauthenticated-connections-per-client), and
+# every forwarded request comes from this pod's address; the rest wait their turn here, still in order.
+FORWARDS_OPENING = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class Activator:
         self.ready_at = -1e9  # when a probe last found a pod answering
         self.last_cold_start: float | None = None
         self._prober: asyncio.Task[None] | None = None
+        self._opening = asyncio.Semaphore(FORWARDS_OPENING)
         self._held_changed = asyncio.Event()
 
     # ---- the queue
@@ -241,7 +246,7 @@ class Activator:
         url = self.settings.backend + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         try:
-            response = await self._while_connected(self.client.send(request, stream=True), receive)
+            response = await self._while_connected(self._send(request), receive)
         except httpx.HTTPError as err:
             self.metrics.requests.labels("upstream_error").inc()
             raise Refusal(503, f"The pod of {self.settings.service} could not be reached ({type(err).__name__}); "
@@ -258,6 +263,10 @@ class Activator:
             await self._while_connected(self._stream(response, send), receive)
         finally:
             await response.aclose()
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        async with self._opening:
+            return await self.client.send(request, stream=True)
 
     @staticmethod
     async def _stream(response: httpx.Response, send: Send) -> None:

@@ -43,11 +43,12 @@ def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[
 
 
 @contextmanager
-def runtime_on(tmp_path: Path, port: int) -> Iterator[str]:
+def runtime_on(tmp_path: Path, port: int, *flags: str) -> Iterator[str]:
     log = tmp_path / "runtime.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+                                 "--port", str(port), *flags], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log, deadline=120)
@@ -108,6 +109,36 @@ def test_held_streams_are_answered_in_full_once_a_pod_starts_and_billed_as_recei
         assert metric_value(activator_page, "tally_activator_requests_total", {"outcome": "forwarded"}) == STREAMS
         assert metric_value(activator_page, "tally_activator_cold_start_seconds_count") == STREAMS
         assert httpx.get(f"{metrics}/held").json()["lastColdStartSeconds"] > 0
+
+
+def test_with_api_keys_more_held_requests_than_the_pods_per_address_limit_all_authenticate_there(
+        tmp_path: Path) -> None:
+    """Every forwarded request comes from the activator's one address, and a pod with keys holds at most 16
+    connections from one address before they authenticate: 24 held requests still all go through, each
+    checked by the pod (a wrong key is its 401, passed back as it is)."""
+    keys = tmp_path / "keys"
+    keys.write_text("acme sk-acme-0123456789abcdef\n")
+    backend, held_count = free_port(), 24
+    statuses: list[int] = []
+    lock = threading.Lock()
+    with activator(tmp_path, backend, "--hold-seconds", "120") as (url, metrics):
+        def post(i: int) -> None:
+            key = "sk-wrong-0123456789abcdef" if i == 0 else "sk-acme-0123456789abcdef"
+            response = httpx.post(f"{url}/v1/completions", timeout=180, headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": MODEL, "prompt": f"Say {i}", "max_tokens": 2})
+            with lock:
+                statuses.append(response.status_code)
+
+        clients = [threading.Thread(target=post, args=(i,)) for i in range(held_count)]
+        for client in clients:
+            client.start()
+        assert until(lambda: held(metrics) == held_count, 30), held(metrics)
+        with runtime_on(tmp_path, backend, "--api-keys-file", str(keys)) as runtime:
+            for client in clients:
+                client.join(timeout=180)
+            page = httpx.get(f"{runtime}/metrics").text
+    assert sorted(statuses) == [200] * (held_count - 1) + [401], statuses
+    assert metric_value(page, "tally_tenant_requests_total", {"tenant": "acme"}) == held_count - 1
 
 
 def test_a_request_held_past_its_time_gets_a_503_envelope_with_retry_after(tmp_path: Path) -> None:
