@@ -1,6 +1,7 @@
 """Scale to zero on the real node: a service at zero pods gets 8 concurrent streaming requests through its
 Service; the activator holds them, the operator starts a pod at once, and every stream is answered in full;
-after the grace the service goes back to zero; status.usage equals what the clients were told through both
+after the grace the service goes back to zero, and requests that arrive while its last pod drains are held
+and answered too; status.usage equals what the clients were told through both
 transitions. A request held longer than its hold time (a pod that cannot be scheduled) gets a clear 503."""
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def at_rest(kube: Kubectl) -> bool:
     runtime = kube.json("get", "pods", "-l", RUNTIME)["items"]
     return (not runtime and sum(map(ready, pods(kube, ACTIVATOR))) == 2
             and selector(kube) == {"serving.tally.dev/activator-for": "smollm"})
+
+
+def draining(kube: Kubectl) -> bool:
+    """Scaled to zero, and the last pod still terminating."""
+    runtime = kube.json("get", "pods", "-l", RUNTIME)["items"]
+    return (bool(runtime) and all(p["metadata"].get("deletionTimestamp") for p in runtime)
+            and (status(kube).get("autoscaling") or {}).get("desiredReplicas") == 0)
 
 
 def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_through_zero_one_zero(
@@ -114,7 +122,16 @@ def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_throug
                    and float(line.rsplit(" ", 1)[1]) > 0 for text in operator.metrics() for line in text.splitlines())
 
     eventually(cold_start_exported, 30, interval=1, what="the cold start on the operator's /metrics")
-    # Back to zero after the grace: the pod drains, its last counters are read, the Service on the activator
+    # Back to zero after the grace. Requests that come while the last pod drains are held (the Service points
+    # at the activator before the scale-down) and start a pod again: answered, never refused
+    eventually(lambda: draining(kube), 240, interval=0.25, what="the last pod draining after the grace")
+    late = [threading.Thread(target=stream, args=(STREAMS + i,)) for i in range(2)]
+    for client in late:
+        client.start()
+    for client in late:
+        client.join(timeout=300)
+    assert not failures, failures
+    assert len(received) == STREAMS + 2
     eventually(lambda: at_rest(kube), 240, interval=1, what="back to zero after the grace")
     eventually(lambda: totals_match(kube, received), 90, interval=1,
                what="status.usage equal to what the clients were told")
