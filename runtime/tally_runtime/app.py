@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tally_runtime import contract, handoff
+from tally_runtime import contract, handoff, pool_metrics
 from tally_runtime.auth import ApiKeys
 from tally_runtime.budgets import Budgets
 from tally_runtime.client_watch import StallGuard
@@ -119,7 +119,13 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
     app.state.stall_guard = StallGuard(settings.send_stall_seconds)
     app.state.final_read_key = handoff.public_key(settings.final_read_key) if settings.final_read_key else None
     if settings.metrics_port:
-        app.add_middleware(OnlyItsPort, metrics_port=settings.metrics_port)
+        def picker_gauges() -> bytes:
+            server: Server = app.state.server
+            return pool_metrics.render(settings.served_model_name, server.admission.queued, server.admission.used,
+                                       server.engine.cache_load())
+
+        app.add_middleware(OnlyItsPort, metrics_port=settings.metrics_port,
+                           picker_gauges=picker_gauges if settings.model_server_metrics else None)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> Response:
@@ -179,16 +185,25 @@ METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGET
 
 class OnlyItsPort:
     """Each path on its own port: the metrics port serves /metrics, the handshake and /health; the API port
-    everything else. A request on the wrong port is a 404, as for a path that does not exist."""
+    everything else. A request on the wrong port is a 404, as for a path that does not exist. With
+    `picker_gauges`, the API port's GET /metrics is the model-server protocol's gauges alone."""
 
-    def __init__(self, app: ASGIApp, metrics_port: int) -> None:
+    def __init__(self, app: ASGIApp, metrics_port: int, picker_gauges: Callable[[], bytes] | None = None) -> None:
         self.app = app
         self.metrics_port = metrics_port
+        self.picker_gauges = picker_gauges
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             on_metrics_port = (scope.get("server") or (None, None))[1] == self.metrics_port
             path = scope["path"]
+            if path == "/metrics" and not on_metrics_port and self.picker_gauges and scope["method"] == "GET":
+                body = self.picker_gauges()
+                headers = [(b"content-type", pool_metrics.CONTENT_TYPE.encode()),
+                           (b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
             if path != "/health" and (path in METRICS_PATHS) != on_metrics_port:
                 await error_response(ApiError(404, f"Not found: {path}"))(scope, receive, send)
                 return

@@ -53,6 +53,7 @@ class Settings:
     metrics_port: int = 0  # 0: /metrics on the API port
     max_tenants: int = 100
     force_include_usage: bool = False
+    model_server_metrics: bool = False  # the endpoint picker's gauges on the API port's /metrics (pool_metrics.py)
     allow_cumulative_stream: bool = False
     cpu_threads: int = 0  # 0: all cores
     tensor_parallel_size: int = 1
@@ -130,6 +131,8 @@ _HELP: dict[str, str] = {
     "journal_path": "file that keeps the usage counters across restarts of this process (on a volume that "
     "outlives the container); empty: counters start from zero with every process",
     "force_include_usage": "send the final usage chunk on every stream, asked for or not",
+    "model_server_metrics": "serve the model-server protocol's gauges (sglang:num_queue_reqs and the rest, for a "
+    "gateway's endpoint picker) on the API port's /metrics; needs --metrics-port, where Tally's own stay",
     "allow_cumulative_stream": "serve even if SGLang streams cumulatively (deltas are still correct)",
     "cpu_threads": "threads per llama.cpp decode step; 0 uses every core",
     "tensor_parallel_size": "SGLang tensor parallel size (GPUs per model replica)",
@@ -221,6 +224,9 @@ def validate(settings: Settings) -> str:
         return f"--port must be 1-65535, not {settings.port}"
     if not 0 <= settings.metrics_port < 65536 or settings.metrics_port == settings.port:
         return f"--metrics-port must be 0 or a port other than --port, not {settings.metrics_port}"
+    if settings.model_server_metrics and not settings.metrics_port:
+        return ("--model-server-metrics needs --metrics-port: the API port's /metrics then holds only the "
+                "picker's gauges")
     if settings.context_length < 16:
         return f"--context-length must be at least 16, not {settings.context_length}"
     if settings.max_concurrent_generations < 1:

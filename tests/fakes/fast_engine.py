@@ -8,7 +8,15 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tally_runtime.engine.base import Delta, EngineInfo, EngineMetrics, FinishReason, GenerationRequest, Health
+from tally_runtime.engine.base import (
+    CacheLoad,
+    Delta,
+    EngineInfo,
+    EngineMetrics,
+    FinishReason,
+    GenerationRequest,
+    Health,
+)
 
 
 class FastEngine:
@@ -28,6 +36,9 @@ class FastEngine:
 
     def own_metrics(self) -> EngineMetrics:
         return EngineMetrics()
+
+    def cache_load(self) -> CacheLoad:
+        return CacheLoad()
 
     def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         return [1] * max(1, len(text.split()))

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tally_runtime.engine.base import (
+    CacheLoad,
     Delta,
     EngineInfo,
     EngineMetrics,
@@ -53,6 +54,9 @@ class ScriptedEngine:
 
     def own_metrics(self) -> EngineMetrics:
         return EngineMetrics()
+
+    def cache_load(self) -> CacheLoad:
+        return CacheLoad()
 
     def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         return [1] * len(text.split()) + ([0] if add_special_tokens else [])

@@ -151,6 +151,18 @@ class EngineMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheLoad:
+    """What a gateway's endpoint picker reads of the engine (the model-server protocol's gauges): requests in
+    the engine's own queue (beyond the runtime's admission queue), the fraction of the KV cache in use, and
+    the cache's shape in pages."""
+
+    queued: float = 0.0
+    kv_usage: float = 0.0  # 0 to 1
+    page_size: int = 1  # tokens per page
+    num_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Health:
     ok: bool
     reason: str = ""
@@ -218,6 +230,10 @@ class Engine(Protocol):
 
     def own_metrics(self) -> EngineMetrics:
         """The engine's own series and token totals (empty for an engine that keeps none)."""
+        ...
+
+    def cache_load(self) -> CacheLoad:
+        """The engine's queue and KV cache now, for the model-server gauges (cheap: read per scrape)."""
         ...
 
     def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tally_runtime.engine.base import (
+    CacheLoad,
     Delta,
     EngineConfig,
     EngineError,
@@ -71,6 +72,7 @@ class LlamaCppEngine:
         self.threads = threads or max(1, os.cpu_count() or 1)
         self._pool: list[Any] = []
         self._free: asyncio.Queue[Any] = asyncio.Queue()
+        self._busy: dict[int, Any] = {}  # id -> a context a generation holds now
         self._step_lock = threading.Lock()
         self._eog: frozenset[int] = frozenset()
         self._health = Health(False, "engine is starting")
@@ -145,6 +147,14 @@ class LlamaCppEngine:
     def own_metrics(self) -> EngineMetrics:
         return EngineMetrics()  # llama.cpp keeps no counters of its own
 
+    def cache_load(self) -> CacheLoad:
+        """Each slot is a context of `context_length` cells, one per token (a page of one token): the cells
+        the running generations hold (prompt and output so far) over all of them. llama.cpp has no queue of
+        its own: a request waits for a slot in the runtime's admission queue."""
+        cells = self.slots * self.context_length
+        used = sum(int(getattr(llama, "n_tokens", 0)) for llama in list(self._busy.values()))
+        return CacheLoad(0.0, min(1.0, used / cells) if cells else 0.0, 1, cells)
+
     # ---- text
 
     def tokenize(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
@@ -199,6 +209,7 @@ class LlamaCppEngine:
             self._free.put_nowait(llama)
             yield Delta(finish_reason=FinishReason.ABORT)
             return
+        self._busy[id(llama)] = llama
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
 
@@ -216,7 +227,7 @@ class LlamaCppEngine:
             finally:
                 self._running.pop(threading.current_thread(), None)
                 if not loop.is_closed():
-                    loop.call_soon_threadsafe(self._free.put_nowait, llama)
+                    loop.call_soon_threadsafe(self._release, llama)
 
         thread = threading.Thread(target=work, name=f"gen-{request.request_id}", daemon=True)
         self._running[thread] = cancel
@@ -314,6 +325,10 @@ class LlamaCppEngine:
         if k and all(tok != piece for tok, _ in alternatives):
             alternatives = (*alternatives, (piece, _finite(values[token])))
         return (TokenLogprob(piece, _finite(values[token]), alternatives),)
+
+    def _release(self, llama: Any) -> None:
+        self._busy.pop(id(llama), None)
+        self._free.put_nowait(llama)
 
     def _piece(self, llama: Any, token: int) -> str:
         if token in self._eog:

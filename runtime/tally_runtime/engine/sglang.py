@@ -14,11 +14,14 @@ import importlib
 import importlib.metadata
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from tally_runtime import contract
 from tally_runtime.engine import sglang_compat as compat
 from tally_runtime.engine.base import (
+    CacheLoad,
     EngineConfig,
     EngineError,
     EngineInfo,
@@ -30,12 +33,13 @@ from tally_runtime.engine.base import (
     SamplingParams,
     StreamMode,
 )
-from tally_runtime.engine.sglang_metrics import sglang_metrics
+from tally_runtime.engine.sglang_metrics import engine_gauges, sglang_metrics, sglang_series
 from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation, StreamShape
 
 log = logging.getLogger("tally_runtime.engine.sglang")
 
 PROBE_TOKENS = 8
+LOAD_SECONDS = 0.5  # SGLang's gauges are read from its files at most this often (cache_load)
 XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+: ")  # "[22:46:54] /project/cpp/json_schema_converter.cc:4175: "
 PROBE_TIMEOUT_SECONDS = 120.0
 
@@ -117,6 +121,7 @@ class SGLangEngine:
         self._probe_usage = (0, 0)
         self._abort_wanted: set[str] = set()  # aborts asked for; re-sent once SGLang knows the request
         self.generation: compat.Generation | None = None
+        self._load: tuple[float, CacheLoad] = (-1e9, CacheLoad())
 
     # ---- lifecycle
 
@@ -201,6 +206,24 @@ class SGLangEngine:
 
     def own_metrics(self) -> EngineMetrics:
         return sglang_metrics()
+
+    def cache_load(self) -> CacheLoad:
+        """SGLang's own queue and KV use (its scheduler's gauges, read at most every LOAD_SECONDS: a picker
+        scrapes many times a second) and its cache's shape: `page_size` tokens a page, and the token pool
+        its scheduler sized at start (`max_total_num_tokens`) in pages."""
+        at = time.monotonic()
+        if at - self._load[0] < LOAD_SECONDS:
+            return self._load[1]
+        gauges = engine_gauges(sglang_series().decode(), (contract.SGLANG_QUEUE_GAUGES[0],
+                                                          contract.SGLANG_KV_CACHE_USAGE))
+        args = getattr(self._engine, "server_args", None)
+        page_size = int(getattr(args, "page_size", None) or 1)
+        infos = getattr(getattr(self._engine, "_scheduler_init_result", None), "scheduler_infos", None) or [{}]
+        tokens = int(infos[0].get("max_total_num_tokens") or 0) if isinstance(infos[0], dict) else 0
+        load = CacheLoad(gauges.get(contract.SGLANG_QUEUE_GAUGES[0], 0.0),
+                         gauges.get(contract.SGLANG_KV_CACHE_USAGE, 0.0), page_size, tokens // page_size)
+        self._load = (at, load)
+        return load
 
     # ---- text
 

@@ -34,6 +34,19 @@ def engine_totals(text: str) -> dict[str, float]:
     return totals
 
 
+def engine_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Gauges of SGLang's own series: summed over label sets (one per data-parallel rank) for a queue, the
+    largest for a fraction (each rank's cache is its own)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                values.setdefault(sample.name, []).append(sample.value)
+    return {name: max(v) if name == contract.SGLANG_KV_CACHE_USAGE else sum(v) for name, v in values.items()}
+
+
 def sglang_series() -> bytes:
     """SGLang's own series (enable_metrics), from this process's default registry and the multiprocess files."""
     from prometheus_client import REGISTRY, multiprocess
