@@ -331,3 +331,56 @@ def test_tool_choice_auto_without_a_parser_is_a_400_naming_it(sglang_url: str) -
         "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
     assert "--tool-call-parser" in reply.json()["error"]["message"]
+
+
+def test_the_pickers_gauges_are_sglangs_own_plus_tallys_queue(tmp_path: Any) -> None:
+    """`--model-server-metrics` on the real engine: an endpoint picker reading this pod as SGLang sees Tally's
+    admission queue in `sglang:num_queue_reqs`, SGLang's running count and KV fraction, and its token pool
+    as `sglang:cache_config_info` (which SGLang 0.5.23 itself does not export)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "picker.log"
+    proc, _ = start([sys.executable, "-m", "tally_runtime", "serve", "--engine", "sglang", "--port", str(port),
+                     "--metrics-port", str(metrics_port), "--model-server-metrics", "--max-concurrent-generations",
+                     "1", "--model-path", str(MODEL), *ENGINE_ARG_FLAGS], log)
+    url = f"http://127.0.0.1:{port}"
+
+    def gauges() -> dict[str, tuple[str, dict[str, str], float]]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return {s.name: (f.type, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
+
+    try:
+        from runtime_harness import wait_healthy
+
+        wait_healthy(url, proc, log, deadline=300)
+        idle = gauges()
+        assert {name: kind for name, (kind, _, _) in idle.items()} == {
+            "sglang:num_queue_reqs": "gauge", "sglang:num_running_reqs": "gauge", "sglang:token_usage": "gauge",
+            "sglang:cache_config_info": "gauge"}
+        _, info, _ = idle["sglang:cache_config_info"]
+        assert int(info["page_size"]) >= 1 and int(info["num_pages"]) > 0
+        clients = [httpx.Client(timeout=300) for _ in range(3)]
+
+        def stream(client: httpx.Client) -> None:
+            try:
+                with client.stream("POST", f"{url}/v1/completions", json={
+                        "prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "stream": True}) as response:
+                    for _ in response.iter_raw():
+                        pass
+            except (httpx.HTTPError, RuntimeError):  # closed under it: how the test ends the load
+                pass
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for client in clients:
+                pool.submit(stream, client)
+            assert until(lambda: gauges()["sglang:num_running_reqs"][2] == 1
+                         and gauges()["sglang:num_queue_reqs"][2] == 2, 120, interval=0.2), gauges()
+            assert until(lambda: 0 < gauges()["sglang:token_usage"][2] <= 1, 120, interval=0.2), gauges()
+            page = httpx.get(f"{url}/metrics").text
+            assert "tally_" not in page and "tenant" not in page
+            for client in clients:
+                client.close()
+        assert until(lambda: gauges()["sglang:num_running_reqs"][2] == 0, 120, interval=0.2), gauges()
+    finally:
+        stop(proc)
