@@ -160,4 +160,14 @@ def test_a_request_held_past_its_time_gets_a_clear_503(operator: ChartOperator, 
     eventually(lambda: (status(kube).get("autoscaling") or {}).get("desiredReplicas") == 1, 60, interval=1,
                what="the held request asked for a pod")
     assert not status(kube).get("usage", {}).get("requests")
+    # Scale to zero switched off: the activator and its Service go, the Service points at the pods again
+    kube("patch", "completionservice", "smollm", "--type=merge", "-p", '{"spec":{"autoscaling":{"minReplicas":1}}}')
+
+    def switched_off() -> bool:
+        names = kube("get", "deployments,services", "-o", "jsonpath={.items[*].metadata.name}").split()
+        ready = next((c for c in status(kube).get("conditions") or [] if c["type"] == "Ready"), {})
+        return (sorted(names) == ["smollm", "smollm"] and selector(kube) == {RUNTIME.split("=")[0]: "smollm"}
+                and ready.get("reason") not in {"Forbidden", "InvalidChild"})
+
+    eventually(switched_off, 60, interval=1, what="the activator gone and the Service on the pods")
 

@@ -52,14 +52,14 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
   verbs: [get, patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]  # delete: a service's activator once it stops scaling to zero
 # which pods a service owns: those of its Deployment's ReplicaSets
 - apiGroups: [apps]
   resources: [replicasets]
   verbs: [list]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]  # delete: its <name>-pods Service, likewise
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
