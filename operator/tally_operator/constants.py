@@ -19,6 +19,18 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 
+# The InferencePool backend (Gateway API Inference Extension v1; docs/DESIGN.md)
+POOL_API_VERSION = "inference.networking.k8s.io/v1"
+POOL_KIND = "InferencePool"
+PICKER_SUFFIX = "-epp"  # the endpoint picker the operator runs for a pool: Deployment, Service, ServiceAccount
+PICKER_GRPC_PORT = 9002  # ext_proc, what the gateway calls
+PICKER_HEALTH_PORT = 9003
+PICKER_METRICS_PORT = 9090
+# The picker reads a pod's gauges by the engine named in this label (GIE's, and llm-d's line): Tally's API
+# port serves SGLang's names (pool_metrics.py) whatever the engine
+ENGINE_TYPE_LABELS = ("inference.networking.k8s.io/engine-type", "llm-d.ai/engine-type")
+INFERENCE_POOL_READY = "InferencePoolReady"  # condition type
+
 RUNTIME_PORT = 8000
 RUNTIME_PORT_NAME = "http"
 # /metrics and the final-read handshake, apart from the API: only the operator needs them

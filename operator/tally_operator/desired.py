@@ -32,6 +32,12 @@ def labels(name: str) -> dict[str, str]:
     }
 
 
+def engine_type_labels(spec: Spec) -> dict[str, str]:
+    """With an InferencePool: the engine whose gauge names the endpoint picker reads from the pods (the API
+    port serves SGLang's names whatever the engine: pool_metrics.py)."""
+    return {label: "sglang" for label in c.ENGINE_TYPE_LABELS} if spec.pool is not None else {}
+
+
 def owner_reference(meta: Mapping[str, Any]) -> Obj:
     return {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
@@ -102,6 +108,8 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
             args += ["--mem-fraction-static", str(spec.memory_fraction)]
         if spec.max_running_requests:
             args += ["--max-running-requests", str(spec.max_running_requests)]
+    if spec.pool is not None:  # a gateway's picker reads the gauges on the API port, and counts usage from
+        args += ["--model-server-metrics", "--force-include-usage"]  # every response, streams included
     # One runtime flag per item, never joined: an item is one SGLang argument however it is spelled
     args += [f"--engine-arg={arg}" for arg in spec.engine_args]
     return args
@@ -210,7 +218,7 @@ def desired_deployment(meta: Mapping[str, Any], spec: Spec, settings: OperatorSe
             "progressDeadlineSeconds": spec.startup_seconds + 600,
             "template": {
                 "metadata": {
-                    "labels": labels(name),
+                    "labels": {**labels(name), **engine_type_labels(spec)},
                     "annotations": {"prometheus.io/scrape": "true",
                                     "prometheus.io/port": str(c.RUNTIME_METRICS_PORT),
                                     "prometheus.io/path": "/metrics"},

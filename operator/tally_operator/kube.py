@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
 from tally_operator import constants as c
 
 Obj = dict[str, Any]
 P = ParamSpec("P")
 R = TypeVar("R")
+DISCOVERY_SECONDS = 30.0  # a kind not served is looked up again at most this often (Kube.has)
 
 
 class KubeError(Exception):
@@ -72,6 +74,25 @@ class Kube:
                 config.load_kube_config(client_configuration=configuration)
         self.api = client.ApiClient(configuration)
         self.dynamic = DynamicClient(self.api)
+        self._discovered = -1e9
+
+    @_sorted_errors
+    def has(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves this kind (a CRD installed). Discovery is cached; a kind not found
+        makes it read again, at most every DISCOVERY_SECONDS, so a CRD installed later is seen."""
+        try:
+            self._resource(api_version, kind)
+            return True
+        except ResourceNotFoundError:
+            if time.monotonic() - self._discovered < DISCOVERY_SECONDS:
+                return False
+            self._discovered = time.monotonic()
+            self.dynamic.resources.invalidate_cache()
+        try:
+            self._resource(api_version, kind)
+            return True
+        except ResourceNotFoundError:
+            return False
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dynamic.resources.get(api_version=api_version, kind=kind)

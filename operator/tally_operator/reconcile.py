@@ -44,7 +44,7 @@ from tally_operator.autoscale import (
     zero_step,
 )
 from tally_operator.bookkeeping import Observed, Plan, plan
-from tally_operator.conditions import is_bad
+from tally_operator.conditions import Verdict, is_bad
 from tally_operator.desired import (
     desired_activator,
     desired_backend_service,
@@ -55,6 +55,7 @@ from tally_operator.desired import (
     endpoint,
     routes_to_activator,
 )
+from tally_operator.desired_pool import desired_inference_pool, desired_picker, picker_name
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
 from tally_operator.observations import Observations
@@ -188,7 +189,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         memory.scaling = Scaling()  # switched off: switched on again, it starts afresh
     try:
         if apply_children:
-            await asyncio.to_thread(apply_all, ctx, meta, spec)
+            await asyncio.to_thread(apply_all, ctx, meta, spec, bool(obj["status"].get("routing")))
             memory.apply_error = None
         deployment, pods = await asyncio.to_thread(read_children, ctx, meta)
     except KubeError as error:
@@ -215,6 +216,9 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     fields["desiredReplicas"] = spec.replicas  # with autoscaling, the count it decided (read from the Deployment)
     ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
     verdicts = workload_verdicts(spec, deployment, pods)
+    if spec.pool is not None:
+        fields["routing"], routed = await asyncio.to_thread(pool_status, ctx, meta, spec)
+        verdicts.append(routed)
     # Without our Deployment (deleted with --cascade=orphan, say) its pods are not gone: they are re-adopted
     # when it is back, so the ledger waits rather than count them lost and then book them whole again
     due = deployment is not None and scrape_due(memory, spec)
@@ -509,7 +513,7 @@ def rejected(error: KubeError) -> SpecError:
     return SpecError(reason, f"The API server refused a child object: {error.message}")
 
 
-def apply_all(ctx: Context, meta: dict[str, str], spec: Spec) -> None:
+def apply_all(ctx: Context, meta: dict[str, str], spec: Spec, was_routed: bool = False) -> None:
     """Apply every child; a child this service does not need is deleted. Only objects this CompletionService
     controls are ever written or deleted: a same-named object of someone else's is left alone, and the
     pass stops with `NameConflict` (the status and an Event say so)."""
@@ -526,16 +530,66 @@ def apply_all(ctx: Context, meta: dict[str, str], spec: Spec) -> None:
     for api_version, kind, child, desired in children:
         if desired is None and kind == "NetworkPolicy" and not ctx.settings.network_policy:
             continue  # never managed here: nothing to look for (and no RBAC to look with)
-        existing = ctx.kube.get(api_version, kind, child, meta["namespace"])
-        if existing is not None and controller_uid(existing) != meta["uid"]:
-            raise SpecError("NameConflict", f"A {kind} named {child} already exists and is not this "
-                                            f"CompletionService's; it is left alone: delete or rename it")
         if kind == "Service" and child == name:
+            existing = ctx.kube.get(api_version, kind, child, meta["namespace"])
             desired = desired_service(meta, to_activator=zero and routes_to_activator(existing))
-        if desired is not None:
-            ctx.kube.apply(desired)
-        elif existing is not None:
-            ctx.kube.delete(api_version, kind, child, meta["namespace"], uid=existing["metadata"]["uid"])
+        apply_child(ctx, meta, api_version, kind, child, desired)
+    if spec.pool is not None or was_routed:
+        apply_pool(ctx, meta, spec)
+
+
+def apply_child(ctx: Context, meta: Mapping[str, str], api_version: str, kind: str, child: str,
+                desired: dict[str, Any] | None) -> None:
+    """Apply one child, or delete it when not wanted; never one this CompletionService does not control."""
+    existing = ctx.kube.get(api_version, kind, child, meta["namespace"])
+    if existing is not None and controller_uid(existing) != meta["uid"]:
+        raise SpecError("NameConflict", f"A {kind} named {child} already exists and is not this "
+                                        f"CompletionService's; it is left alone: delete or rename it")
+    if desired is not None:
+        ctx.kube.apply(desired)
+    elif existing is not None:
+        ctx.kube.delete(api_version, kind, child, meta["namespace"], uid=existing["metadata"]["uid"])
+
+
+PICKER_KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("apps/v1", "Deployment"),
+                ("v1", "Service"))
+
+
+def apply_pool(ctx: Context, meta: Mapping[str, str], spec: Spec) -> None:
+    """The InferencePool (only where its CRD is installed: pool_status says so otherwise) and the picker the
+    operator runs for it; both deleted once the service is no longer routed or names its own picker."""
+    if ctx.kube.has(c.POOL_API_VERSION, c.POOL_KIND):
+        apply_child(ctx, meta, c.POOL_API_VERSION, c.POOL_KIND, meta["name"], desired_inference_pool(meta, spec))
+    wanted = {(o["apiVersion"], o["kind"]): o for o in desired_picker(meta, spec, ctx.settings)}
+    for api_version, kind in PICKER_KINDS:
+        apply_child(ctx, meta, api_version, kind, meta["name"] + c.PICKER_SUFFIX, wanted.get((api_version, kind)))
+
+
+def pool_status(ctx: Context, meta: Mapping[str, str], spec: Spec) -> tuple[dict[str, Any], Verdict]:
+    """status.routing and the InferencePoolReady condition of a routed service."""
+    assert spec.pool is not None
+    picker = picker_name(meta, spec)
+    fields: dict[str, Any] = {"inferencePool": meta["name"], "endpointPicker": picker, "pickerReady": False}
+    if not ctx.kube.has(c.POOL_API_VERSION, c.POOL_KIND):
+        return fields, Verdict(c.INFERENCE_POOL_READY, "False", "CRDNotInstalled",
+                               f"The InferencePool CRD ({c.POOL_API_VERSION}) is not installed: install the Gateway "
+                               "API Inference Extension's CRDs. The Service serves meanwhile")
+    if spec.pool.picker:
+        found = ctx.kube.get("v1", "Service", picker, meta["namespace"]) is not None
+        fields["pickerReady"] = found
+        return fields, Verdict(c.INFERENCE_POOL_READY, "True" if found else "False",
+                               "PickerNamed" if found else "PickerNotFound",
+                               f"InferencePool {meta['name']} points at the endpoint picker Service {picker}"
+                               + ("" if found else ", which does not exist"))
+    deployment = ctx.kube.get("apps/v1", "Deployment", picker, meta["namespace"])
+    ready = bool(deployment and controller_uid(deployment) == meta["uid"]
+                 and int((deployment.get("status") or {}).get("readyReplicas") or 0) > 0)
+    fields["pickerReady"] = ready
+    if ready:
+        return fields, Verdict(c.INFERENCE_POOL_READY, "True", "AsExpected",
+                               f"InferencePool {meta['name']} and its endpoint picker {picker} are ready")
+    return fields, Verdict(c.INFERENCE_POOL_READY, "False", "PickerNotReady",
+                           f"The endpoint picker {picker} has no ready pod ({ctx.settings.picker_image})")
 
 
 def route(ctx: Context, body: Any, meta: Mapping[str, str], to_activator: bool) -> None:

@@ -46,6 +46,10 @@ class OperatorSettings:
     # The Ed25519 private key (PEM) that signs final-read acknowledgements (signing.py); the chart mounts it
     signing_key_file: str = ""
     final_read_key: str = ""  # its public key, put in every runtime pod's environment (set at start-up)
+    # The endpoint picker the operator runs for a service routed through an InferencePool, and the ClusterRole
+    # its ServiceAccount is bound to in the service's namespace (the chart creates it: read pods and pools)
+    picker_image: str = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
+    picker_cluster_role: str = "tally-operator-epp"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

@@ -62,6 +62,16 @@ class Spec:
     records_token_key: str = "token"
     trust_tenant_header: bool = False
     budgets: BudgetConfig | None = None  # per-tenant token budgets and rate limits (budget.py)
+    pool: PoolConfig | None = None  # routing.inferencePool: picked per request by an endpoint picker
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """routing.inferencePool: the service's pods as an InferencePool, picked by an endpoint picker."""
+
+    picker: str = ""  # an existing picker's Service in the namespace; empty: the operator runs one
+    picker_port: int = 9002
+    failure_mode: str = "FailClose"  # what a gateway does when the picker does not answer: FailOpen | FailClose
 
 
 def parse_spec(raw: Mapping[str, Any]) -> Spec:
@@ -111,6 +121,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         api_keys_key=str(keys.get("key") or "api-keys"),
         trust_tenant_header=bool(auth.get("trustTenantHeader", False)),
         budgets=parse_budgets(raw.get("budgets")),
+        pool=parse_pool((raw.get("routing") or {}).get("inferencePool")),
         records_url=str(delivery.get("url") or ""),
         records_token_secret=str((delivery.get("tokenSecret") or {}).get("name") or ""),
         records_token_key=str((delivery.get("tokenSecret") or {}).get("key") or "token"),
@@ -204,6 +215,24 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
     if min(scaling.stable_window_seconds, scaling.panic_window_seconds, scaling.scale_down_delay_seconds) < 0:
         raise SpecError("InvalidSpec", "spec.autoscaling: windows and the scale-down delay must not be negative")
     return scaling
+
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def parse_pool(raw: Mapping[str, Any] | None) -> PoolConfig | None:
+    if raw is None or not raw.get("enabled", True):
+        return None
+    picker = raw.get("endpointPicker") or {}
+    pool = PoolConfig(picker=str(picker.get("name") or ""), picker_port=int(picker.get("port", 9002)),
+                      failure_mode=str(raw.get("failureMode", "FailClose")))
+    if pool.picker and (len(pool.picker) > 63 or not DNS_LABEL.match(pool.picker)):
+        raise SpecError("InvalidSpec", "spec.routing.inferencePool.endpointPicker.name must name a Service "
+                                       "(a DNS label)")
+    if not 0 < pool.picker_port < 65536 or pool.failure_mode not in ("FailOpen", "FailClose"):
+        raise SpecError("InvalidSpec", "spec.routing.inferencePool: endpointPicker.port 1-65535, failureMode FailOpen "
+                                       "or FailClose")
+    return pool
 
 
 def check(spec: Spec) -> None:

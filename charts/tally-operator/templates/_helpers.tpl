@@ -74,6 +74,23 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
   resources: [networkpolicies]
   verbs: [get, create, patch, delete]
 {{- end }}
+{{- if .Values.inferencePool.enabled }}
+# routing.inferencePool: the pool, and the endpoint picker the operator runs for it (bound only to the
+# chart's picker ClusterRole: the operator writes no Role and can grant nothing else)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [rolebindings]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [clusterroles]
+  verbs: [bind]
+  resourceNames: [{{ printf "%s-epp" (include "tally-operator.fullname" .) }}]
+{{- end }}
 {{- end -}}
 
 {{/* The signing key: the one the release's Secret holds, or a new one (the first install, or helm template). */}}

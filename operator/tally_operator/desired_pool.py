@@ -1,0 +1,100 @@
+"""PURE: spec + metadata -> the InferencePool a routed CompletionService owns, and the endpoint picker the
+operator runs for it unless the spec names one (docs/DESIGN.md, "The InferencePool backend").
+
+The pool selects the service's runtime pods (the Deployment's selector label) on the API port, where the
+runtime serves the picker's gauges (`--model-server-metrics`). The picker is the Gateway API Inference
+Extension's EPP in pool mode: a Deployment and Service named `<name>-epp`, and a ServiceAccount bound in the
+service's namespace to the chart's ClusterRole for pickers (read pods and pools): the operator writes no
+Role of its own, so it can grant nothing it was not given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tally_operator import constants as c
+from tally_operator.desired import labels, owner_reference, selector_labels
+from tally_operator.settings import OperatorSettings
+from tally_operator.spec import Spec
+
+Obj = dict[str, Any]
+
+
+def picker_name(meta: Mapping[str, Any], spec: Spec) -> str:
+    assert spec.pool is not None
+    return spec.pool.picker or meta["name"] + c.PICKER_SUFFIX
+
+
+def _metadata(meta: Mapping[str, Any], name: str, component: str) -> Obj:
+    return {"name": name, "namespace": meta["namespace"],
+            "labels": {**labels(meta["name"]), c.LABEL_COMPONENT: component},
+            "ownerReferences": [owner_reference(meta)]}
+
+
+def desired_inference_pool(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
+    if spec.pool is None:
+        return None
+    return {
+        "apiVersion": c.POOL_API_VERSION,
+        "kind": c.POOL_KIND,
+        "metadata": _metadata(meta, meta["name"], "inference-pool"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(meta["name"])},
+            "targetPorts": [{"number": c.RUNTIME_PORT}],
+            "endpointPickerRef": {"kind": "Service", "name": picker_name(meta, spec),
+                                  "port": {"number": spec.pool.picker_port}, "failureMode": spec.pool.failure_mode},
+        },
+    }
+
+
+def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> list[Obj]:
+    """The picker's ServiceAccount, RoleBinding, Deployment and Service; none when the spec names a picker."""
+    if spec.pool is None or spec.pool.picker:
+        return []
+    name, namespace = picker_name(meta, spec), meta["namespace"]
+    pod_labels = {c.LABEL_NAME: "tally-endpoint-picker", c.LABEL_INSTANCE: name, c.LABEL_COMPONENT: "endpoint-picker",
+                  c.LABEL_PART_OF: "tally", c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+    selector = {c.LABEL_INSTANCE: name, c.LABEL_COMPONENT: "endpoint-picker"}
+    health = {"grpc": {"port": c.PICKER_HEALTH_PORT, "service": "inference-extension"}}
+    container: Obj = {
+        "name": "epp",
+        "image": settings.picker_image,
+        "args": ["--pool-name", meta["name"], "--pool-namespace", namespace,
+                 "--pool-group", c.POOL_API_VERSION.split("/")[0],
+                 "--grpc-port", str(c.PICKER_GRPC_PORT), "--grpc-health-port", str(c.PICKER_HEALTH_PORT),
+                 "--metrics-port", str(c.PICKER_METRICS_PORT), "--metrics-endpoint-auth=false", "--tracing=false",
+                 "--zap-encoder", "json"],
+        "ports": [{"name": "grpc", "containerPort": c.PICKER_GRPC_PORT},
+                  {"name": "grpc-health", "containerPort": c.PICKER_HEALTH_PORT},
+                  {"name": "metrics", "containerPort": c.PICKER_METRICS_PORT}],
+        "env": [{"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
+        "readinessProbe": {**health, "periodSeconds": 2},
+        "livenessProbe": {**health, "initialDelaySeconds": 5, "periodSeconds": 10},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(meta, name, "endpoint-picker")},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _metadata(meta, name, "endpoint-picker"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": settings.picker_cluster_role},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(meta, name, "endpoint-picker"),
+         "spec": {"replicas": 1, "selector": {"matchLabels": selector},
+                  "template": {"metadata": {"labels": pod_labels},
+                               "spec": {"serviceAccountName": name, "containers": [container],
+                                        "securityContext": {"runAsNonRoot": True,
+                                                            "seccompProfile": {"type": "RuntimeDefault"}},
+                                        "terminationGracePeriodSeconds": 130}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(meta, name, "endpoint-picker"),
+         "spec": {"type": "ClusterIP", "selector": selector,
+                  "ports": [{"name": "grpc-ext-proc", "port": c.PICKER_GRPC_PORT, "targetPort": "grpc",
+                             "protocol": "TCP", "appProtocol": "http2"},
+                            {"name": "http-metrics", "port": c.PICKER_METRICS_PORT, "targetPort": "metrics",
+                             "protocol": "TCP"}]}},
+    ]
+
