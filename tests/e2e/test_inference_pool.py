@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from kube_harness import Kubectl, eventually, in_cluster
 from operator_harness import ChartOperator
-from usage_harness import serving_pods, service, status
+from usage_harness import service, serving_pods, status
 
 pytestmark = pytest.mark.e2e
 
