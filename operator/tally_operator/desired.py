@@ -101,6 +101,8 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
         args += ["--api-keys-file", c.API_KEYS_FILE]
         if spec.trust_tenant_header:
             args.append("--trust-tenant-header")
+    if spec.tenant_header != "X-Tally-Tenant":
+        args += ["--tenant-header", spec.tenant_header]
     if spec.engine_kind == "sglang":
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size),
                  "--data-parallel-size", str(max(1, spec.gpus // spec.tensor_parallel_size))]

@@ -61,6 +61,7 @@ class Spec:
     records_token_secret: str = ""  # a Secret of the namespace holding the receiver's bearer token
     records_token_key: str = "token"
     trust_tenant_header: bool = False
+    tenant_header: str = "X-Tally-Tenant"  # or a gateway's fairness id header (TENANT_HEADERS)
     budgets: BudgetConfig | None = None  # per-tenant token budgets and rate limits (budget.py)
     pool: PoolConfig | None = None  # routing.inferencePool: picked per request by an endpoint picker
 
@@ -120,6 +121,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
         api_keys_secret=str(keys.get("name") or ""),
         api_keys_key=str(keys.get("key") or "api-keys"),
         trust_tenant_header=bool(auth.get("trustTenantHeader", False)),
+        tenant_header=str(auth.get("tenantHeader") or "X-Tally-Tenant"),
         budgets=parse_budgets(raw.get("budgets")),
         pool=parse_pool((raw.get("routing") or {}).get("inferencePool")),
         records_url=str(delivery.get("url") or ""),
@@ -235,11 +237,17 @@ def parse_pool(raw: Mapping[str, Any] | None) -> PoolConfig | None:
     return pool
 
 
+# The headers a tenant may be named by: Tally's, and the fairness ids of the Inference Extension and llm-d
+TENANT_HEADERS = ("X-Tally-Tenant", "x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+
+
 def check(spec: Spec) -> None:
     if spec.autoscaling and spec.autoscaling.metric in {SGLANG_QUEUE, KV_CACHE} and spec.engine_kind != "sglang":
         raise SpecError("InvalidSpec", f"spec.autoscaling.metric {spec.autoscaling.metric} is SGLang's own: the "
                                        f"{spec.engine_kind} engine does not report it")
     check_engine_args(spec.engine_args)
+    if spec.tenant_header not in TENANT_HEADERS:
+        raise SpecError("InvalidSpec", f"spec.auth.tenantHeader must be one of {', '.join(TENANT_HEADERS)}")
     for env in spec.env:
         name = str(env.get("name") or "")
         if "valueFrom" in env:

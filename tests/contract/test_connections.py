@@ -171,19 +171,26 @@ def test_revoked_keys_fail_closed_and_come_back(tmp_path: Path) -> None:
     assert "no API key is valid" in log and KEY_A not in log
 
 
-def test_only_a_gateway_key_may_name_the_tenant(tmp_path: Path) -> None:
+@pytest.mark.parametrize("header", ["X-Tally-Tenant", "x-gateway-inference-fairness-id"])
+def test_only_a_gateway_key_may_name_the_tenant(tmp_path: Path, header: str) -> None:
+    """Also by the fairness id an Inference Extension gateway sets (`--tenant-header`): the picker's flows and
+    Tally's tenants are then the same, under the same rule."""
     keys = tmp_path / "api-keys"
     keys.write_text(f"team-a {KEY_A}\nedge {KEY_G} gateway\n")
-    with runtime_process(tmp_path / "rt.log", "--api-keys-file", str(keys), "--trust-tenant-header") as (_, url):
+    flags = ["--api-keys-file", str(keys), "--trust-tenant-header", "--tenant-header", header]
+    with runtime_process(tmp_path / "rt.log", *flags) as (_, url):
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
         spoof = httpx.post(f"{url}/v1/completions", json=body,
-                           headers={"Authorization": f"Bearer {KEY_A}", "X-Tally-Tenant": "team-b"})
-        assert spoof.status_code == 403 and spoof.json()["error"]["param"] == "X-Tally-Tenant"
+                           headers={"Authorization": f"Bearer {KEY_A}", header: "team-b"})
+        assert spoof.status_code == 403 and spoof.json()["error"]["param"] == header
         named = httpx.post(f"{url}/v1/completions", json=body,
-                           headers={"Authorization": f"Bearer {KEY_G}", "X-Tally-Tenant": "team-b"})
+                           headers={"Authorization": f"Bearer {KEY_G}", header: "team-b"})
         assert named.status_code == 200
         plain = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
         assert plain.status_code == 200
+        page = httpx.get(f"{url}/metrics").text
+    assert metric_value(page, "tally_tenant_requests_total", {"tenant": "team-b"}) == 1
+    assert metric_value(page, "tally_tenant_requests_total", {"tenant": "team-a"}) == 1
 
 
 def test_a_drain_closes_idle_pooled_connections_and_every_later_response_closes_its_own(tmp_path: Path) -> None:

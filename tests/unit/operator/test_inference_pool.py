@@ -109,3 +109,13 @@ def test_the_status_says_what_was_read(served: bool, objects: dict[tuple[str, st
     fields, verdict = pool_status(context(Kube(served, objects)), META, parse_spec(ROUTED))
     assert (verdict.type, verdict.status, verdict.reason) == (c.INFERENCE_POOL_READY, status, reason)
     assert fields["inferencePool"] == "chat" and fields["pickerReady"] == (status == "True")
+
+
+def test_the_gateways_fairness_id_can_name_the_tenant_and_nothing_else_can_be_named() -> None:
+    keyed = {**ROUTED, "auth": {"apiKeysSecret": {"name": "tally-api-keys"}, "trustTenantHeader": True,
+                                "tenantHeader": "x-gateway-inference-fairness-id"}}
+    args = runtime_args(parse_spec(keyed), META)
+    assert args[args.index("--tenant-header") + 1] == "x-gateway-inference-fairness-id"
+    assert "--tenant-header" not in runtime_args(parse_spec(BASE), META)
+    with pytest.raises(SpecError):
+        parse_spec({**keyed, "auth": {**keyed["auth"], "tenantHeader": "Authorization"}})
