@@ -11,6 +11,8 @@
 #   with every wheel prebuilt on this machine (llama.cpp's comes from pip's wheel cache: nothing compiles).
 # - client: hack/client, the openai SDK for one-shot pods (the demo's completion, the tests' clients).
 # - runtime-fakes (tests only): the runtime image with tests/fakes/sglang, SGLang's contract fake, as `sglang`.
+# - epp: the Gateway API Inference Extension's endpoint picker (cmd/epp of its Go module, the pinned version
+#   from the module proxy), for services routed through an InferencePool.
 #
 # Each lands as a docker-archive under ~/.cache/tally/images/, named by a hash of what went into it, and
 # $CACHE/images/current links the newest set. The node imports them into containerd (hack/node.sh).
@@ -103,6 +105,22 @@ build_fakes() { # <archive>: FROM the runtime image (taken back from its archive
   log "tally-runtime-fakes:$VERSION in $((SECONDS - start))s"
 }
 
+EPP_MODULE=sigs.k8s.io/gateway-api-inference-extension
+EPP_VERSION=v1.5.0  # later versions moved the picker to llm-d's router
+
+build_epp() { # $1: archive
+  local ctx=$OUT/tmp/epp start=$SECONDS dir
+  rm -rf "$ctx"; mkdir -p "$ctx"
+  dir=$(cd "$ctx" && go mod download -json "$EPP_MODULE@$EPP_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  [[ -d $dir ]] || { log "could not download $EPP_MODULE@$EPP_VERSION"; exit 1; }
+  (cd "$dir" && GOWORK=off go build -trimpath -ldflags "-s -w" -o "$ctx/epp" ./cmd/epp)
+  printf 'FROM scratch\nCOPY epp /epp\nUSER 65532:65532\nENTRYPOINT ["/epp"]\n' > "$ctx/Dockerfile"
+  "${BUILDAH[@]}" bud --quiet --isolation chroot -t "localhost/tally-epp:$EPP_VERSION" -f "$ctx/Dockerfile" "$ctx" >/dev/null
+  "${BUILDAH[@]}" push --quiet "localhost/tally-epp:$EPP_VERSION" "docker-archive:$1:localhost/tally-epp:$EPP_VERSION"
+  rm -rf "$ctx"
+  log "localhost/tally-epp:$EPP_VERSION in $((SECONDS - start))s"
+}
+
 ready() { [[ -s $1 ]]; }
 
 built() { # built <archive> <builder> <args...>: build into a temporary name, then rename
@@ -130,14 +148,16 @@ built "$RUNTIME" build_python_image tally-runtime runtime/Dockerfile runtime,cpu
 built "$OPERATOR" build_python_image tally-operator operator/Dockerfile operator
 built "$CLIENT" build_client
 built "$FAKES" build_fakes
+EPP=$OUT/epp-$EPP_VERSION-$(echo "$EPP_MODULE@$EPP_VERSION" | hash_of -).tar
+built "$EPP" build_epp
 
 tmp=$(mktemp -d "$OUT/.current.XXXXXX")
 ln -s "$PAUSE" "$tmp/pause.tar"; ln -s "$RUNTIME" "$tmp/runtime.tar"; ln -s "$OPERATOR" "$tmp/operator.tar"
-ln -s "$CLIENT" "$tmp/client.tar"; ln -s "$FAKES" "$tmp/fakes.tar"
+ln -s "$CLIENT" "$tmp/client.tar"; ln -s "$FAKES" "$tmp/fakes.tar"; ln -s "$EPP" "$tmp/epp.tar"
 echo localhost/tally-pause:1 > "$tmp/pause.name"
 rm -rf "$CURRENT"; mv -T "$tmp" "$CURRENT"
 # Keep the two newest archives of each image; drop buildah's copies (the archives are what the node imports).
-for c in pause runtime operator client fakes; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
+for c in pause runtime operator client fakes epp; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
 for image in tally-{runtime,runtime-fakes,operator,client}:"$VERSION" localhost/tally-pause:1; do
   "${BUILDAH[@]}" rmi "$image" >/dev/null 2>&1 || true
 done

@@ -2,21 +2,31 @@
 InferencePool while the CRD is missing says so and keeps serving; once the Gateway API Inference Extension's
 CRD (v1.5.0) is installed the operator creates the pool of the service's pods and the endpoint picker's
 objects (its RoleBinding accepted by RBAC and the reach policy), the pods carry the engine-type labels and
-serve the picker's gauges on the API port and nothing of Tally's; routing switched off removes them.
+serve the picker's gauges on the API port and nothing of Tally's, the picker becomes ready; routing switched
+off removes them.
 
-The picker itself (the EPP image) is not run here: this node pulls no public image, so the status says the
-picker is not ready, which is what it checks."""
+Then the picker itself (the extension's EPP v1.5.0, built by `make images`) behind a test gateway
+(tests/gateway: the gateway's side of ext_proc, in Go): with one pod held busy by long streams, new short
+requests go to the other; a pod that drains gets none; every stream completes; and the picker's own token
+counters equal Tally's ledger for the requests that went through it, streamed or not."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from kube_harness import Kubectl, eventually, in_cluster
+from kube_harness import ROOT, Kubectl, eventually, in_cluster
 from operator_harness import ChartOperator
-from usage_harness import service, serving_pods, status
+from runtime_harness import free_port, terminate
+from usage_harness import MODEL, ledger_tenants, service, serving_pods, status
 
 pytestmark = pytest.mark.e2e
 
@@ -68,13 +78,124 @@ def test_a_routed_service_gets_its_pool_and_picker_once_the_crd_is_installed(
                what="the picker's ServiceAccount, RoleBinding, Deployment and Service")
     binding = kube.json("get", "rolebinding", "smollm-epp")
     assert binding["roleRef"]["name"] == "tally-operator-epp"
-    eventually(lambda: condition(kube).get("reason") == "PickerNotReady", 60, interval=1,
-               what="InferencePoolReady=False, PickerNotReady (no picker image on this node)")
+    eventually(lambda: condition(kube).get("reason") == "AsExpected", 120, interval=1,
+               what="InferencePoolReady=True once the picker runs")
     routing = status(kube).get("routing") or {}
-    assert routing == {"inferencePool": "smollm", "endpointPicker": "smollm-epp", "pickerReady": False}
+    assert routing == {"inferencePool": "smollm", "endpointPicker": "smollm-epp", "pickerReady": True}
 
     kube("patch", "completionservice", "smollm", "--type=merge", "-p",
          '{"spec":{"routing":{"inferencePool":{"enabled":false}}}}')
     eventually(lambda: not names(kube, "inferencepools") and "smollm-epp" not in names(kube, "deployments")
                | names(kube, "services") | names(kube, "serviceaccounts") | names(kube, "rolebindings"), 90,
                interval=1, what="the pool and the picker removed once routing is off")
+
+
+GATEWAY_SOURCE = ROOT / "tests" / "gateway"
+CACHE = Path(os.environ.get("TALLY_CACHE", Path.home() / ".cache" / "tally"))
+
+
+@pytest.fixture(scope="session")
+def gateway_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/gateway built with Go (its modules from the proxy, cached like the control plane's)."""
+    out = tmp_path_factory.mktemp("gateway") / "gateway"
+    env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-modcacherw",
+           "GOMODCACHE": str(CACHE / "gomod"), "GOCACHE": str(CACHE / "gobuild")}
+    subprocess.run(["go", "build", "-o", str(out), "."], cwd=GATEWAY_SOURCE, env=env, check=True, timeout=600)
+    return out
+
+
+@contextmanager
+def test_gateway(binary: Path, picker: str, proxy: str, log: Path) -> Iterator[str]:
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(binary), "-listen", f"127.0.0.1:{port}", "-picker", picker, "-proxy", proxy],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return True
+            except OSError:
+                assert proc.poll() is None, log.read_text()  # it exited: fail at once, with its words
+                return False
+
+        eventually(listening, 30, what="the test gateway listening")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        terminate(proc)
+
+
+def picker_tokens(kube: Kubectl) -> tuple[float, float]:
+    """The picker's own counters: input and output tokens it read from the responses (histogram sums)."""
+    ip = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"]
+    with in_cluster(10) as http:
+        text = http.get(f"http://{ip}:9090/metrics").text
+    sums = {"input": 0.0, "output": 0.0}
+    for line in text.splitlines():
+        for kind in sums:
+            if line.startswith(f"inference_objective_{kind}_tokens_sum"):
+                sums[kind] += float(line.rsplit(" ", 1)[1])
+    return sums["input"], sums["output"]
+
+
+def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tallys_ledger_counts(
+        operator: ChartOperator, kube: Kubectl, no_pool_crd: Kubectl, gateway_binary: Path, tmp_path: Path) -> None:
+    no_pool_crd("apply", "--server-side", "-f", str(CRD))
+    no_pool_crd("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    manifest = service(replicas=2)
+    manifest["spec"]["engine"]["maxConcurrentGenerations"] = 1  # a long stream makes a pod busy, more queue
+    manifest["spec"]["routing"] = {"inferencePool": {"enabled": True}}
+    manifest["spec"]["drainSeconds"] = 120
+    kube.apply(manifest)
+    pods = serving_pods(kube, 2)
+    eventually(lambda: condition(kube).get("reason") == "AsExpected", 180, interval=1, what="the picker ready")
+    busy, idle = pods[0]["status"]["podIP"], pods[1]["status"]["podIP"]
+    picker = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"] + ":9002"
+    long_done: list[dict[str, Any]] = []
+
+    def long_stream(i: int) -> None:  # straight to the busy pod, as its own tenant
+        with in_cluster(300) as http, http.stream("POST", f"http://{busy}:8000/v1/completions", headers={
+                "X-Tally-Tenant": "busy"}, json={"model": MODEL, "prompt": f"Long story {i}:", "max_tokens": 300,
+                                                  "ignore_eos": True, "stream": True}) as response:
+            body = b"".join(response.iter_raw())
+        long_done.append({"status": response.status_code, "done": body.rstrip().endswith(b"data: [DONE]")})
+
+    holders = [threading.Thread(target=long_stream, args=(i,)) for i in range(3)]
+    for holder in holders:
+        holder.start()
+    with test_gateway(gateway_binary, picker, kube.env["TALLY_PROXY"], tmp_path / "gateway.log") as url:
+        def queued_on_busy() -> bool:
+            with in_cluster(5) as http:
+                page = http.get(f"http://{busy}:8000/metrics").text
+            return f'sglang:num_queue_reqs{{model_name="{MODEL}"}} 2.0' in page
+        eventually(queued_on_busy, 60, interval=0.5, what="the busy pod running one stream with two queued")
+        picked: list[str] = []
+        for i in range(20):
+            body = {"model": MODEL, "prompt": f"Short {i}:", "max_tokens": 4, "stream": i % 2 == 0}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120,
+                                  headers={"X-Tally-Tenant": "via-gateway"})
+            assert response.status_code == 200, response.text
+            picked.append(response.headers["x-test-picked-endpoint"].rsplit(":", 1)[0])
+        to_idle = sum(1 for ip in picked if ip == idle)
+        print(f"\n[inference-pool] {to_idle} of {len(picked)} short requests went to the idle pod")
+        assert to_idle >= 18, picked  # at least 90 %
+        # The busy pod drains (its streams still run): the picker sends it nothing more
+        kube("delete", "pod", pods[0]["metadata"]["name"], "--wait=false")
+        eventually(lambda: kube.json("get", "pod", pods[0]["metadata"]["name"])["metadata"].get("deletionTimestamp"),
+                   30, interval=0.25, what="the busy pod terminating (the picker drops such a pod)")
+        during: list[str] = []
+        for i in range(10):
+            response = httpx.post(f"{url}/v1/completions", timeout=120, headers={"X-Tally-Tenant": "via-gateway"},
+                                  json={"model": MODEL, "prompt": f"Later {i}:", "max_tokens": 4, "stream": i % 2 == 1})
+            assert response.status_code == 200, response.text
+            during.append(response.headers["x-test-picked-endpoint"].rsplit(":", 1)[0])
+        assert busy not in during, during
+        for holder in holders:
+            holder.join(timeout=300)
+        assert long_done == [{"status": 200, "done": True}] * 3  # every stream completes, drained or not
+
+        def same_books() -> bool:
+            ledger = ledger_tenants(status(kube).get("usage") or {})
+            through = ledger.get("via-gateway")
+            return through is not None and through[0] == 30 and picker_tokens(kube) == (through[1], through[2])
+        eventually(same_books, 120, interval=1, what="the picker's token counters equal Tally's ledger for them")
