@@ -15,7 +15,8 @@ METRICS_PORT = 9090  # the chart's default metrics.port
 OPERATOR_REPLICAS = 2  # the e2e session's operator: two pods, peering
 # Fast intervals, and a policy widened for what the suite needs: kwok's taint and the contract fake's image.
 SUITE_SETTINGS = ("statusIntervalSeconds=1", "reconcileIntervalSeconds=3",
-                  "policy.allowedTolerationKeys={kwok.x-k8s.io/node}", "policy.allowedImages={tally-runtime-fakes:*}")
+                  "policy.allowedTolerationKeys={kwok.x-k8s.io/node}", "policy.allowedImages={tally-runtime-fakes:*}",
+                  "inferencePool.pickerImage=localhost/tally-epp:v1.5.0")  # built by make images
 
 
 def install_chart(kubectl: Kubectl, replicas: int, *settings: str, chart: Path = CHART) -> None:
