@@ -556,11 +556,14 @@ PICKER_KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role
 
 
 def apply_pool(ctx: Context, meta: Mapping[str, str], spec: Spec) -> None:
-    """The InferencePool (only where its CRD is installed: pool_status says so otherwise) and the picker the
-    operator runs for it; both deleted once the service is no longer routed or names its own picker."""
-    if ctx.kube.has(c.POOL_API_VERSION, c.POOL_KIND):
+    """The InferencePool and the picker the operator runs for it, only where the pool's CRD is installed
+    (pool_status says so otherwise); both deleted once the service is no longer routed or names its own
+    picker."""
+    served = ctx.kube.has(c.POOL_API_VERSION, c.POOL_KIND)
+    if served:
         apply_child(ctx, meta, c.POOL_API_VERSION, c.POOL_KIND, meta["name"], desired_inference_pool(meta, spec))
-    wanted = {(o["apiVersion"], o["kind"]): o for o in desired_picker(meta, spec, ctx.settings)}
+    # A picker without its pool's kind would only fail: it waits for the CRD as the pool does
+    wanted = {(o["apiVersion"], o["kind"]): o for o in desired_picker(meta, spec, ctx.settings)} if served else {}
     for api_version, kind in PICKER_KINDS:
         apply_child(ctx, meta, api_version, kind, meta["name"] + c.PICKER_SUFFIX, wanted.get((api_version, kind)))
 

@@ -26,7 +26,7 @@ import pytest
 from kube_harness import ROOT, Kubectl, eventually, in_cluster
 from operator_harness import ChartOperator
 from runtime_harness import free_port, terminate
-from usage_harness import MODEL, ledger_tenants, service, serving_pods, status
+from usage_harness import MODEL, healthy, ledger_tenants, service, status
 
 pytestmark = pytest.mark.e2e
 
@@ -40,6 +40,20 @@ def no_pool_crd(kubectl: Kubectl) -> Iterator[Kubectl]:
     kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=true")
     yield kubectl
     kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=false")
+
+
+RUNTIME = "serving.tally.dev/completionservice=smollm"
+
+
+def runtime_pods(kube: Kubectl, count: int) -> list[dict[str, Any]]:
+    """Exactly `count` runtime pods ready and answering on their pod IPs (the picker's pod aside)."""
+    def ready() -> list[dict[str, Any]]:
+        pods = [p for p in kube.json("get", "pods", "-l", RUNTIME)["items"]
+                if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")]
+        serving = [p for p in pods if healthy(p["status"]["podIP"])]
+        return serving if len(serving) == count == len(pods) else []
+
+    return list(eventually(ready, 180, interval=0.5, what=f"{count} runtimes serving"))
 
 
 def condition(kube: Kubectl) -> dict[str, Any]:
@@ -57,7 +71,7 @@ def test_a_routed_service_gets_its_pool_and_picker_once_the_crd_is_installed(
     kube.apply(manifest)
     eventually(lambda: condition(kube).get("reason") == "CRDNotInstalled", 120, interval=1,
                what="InferencePoolReady=False, CRDNotInstalled")
-    (pod,) = serving_pods(kube, 1)  # the service serves meanwhile
+    (pod,) = runtime_pods(kube, 1)  # the service serves meanwhile
     labels = pod["metadata"]["labels"]
     assert labels["inference.networking.k8s.io/engine-type"] == labels["llm-d.ai/engine-type"] == "sglang"
     with in_cluster(10) as http:
@@ -147,7 +161,7 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
     manifest["spec"]["routing"] = {"inferencePool": {"enabled": True}}
     manifest["spec"]["drainSeconds"] = 120
     kube.apply(manifest)
-    pods = serving_pods(kube, 2)
+    pods = runtime_pods(kube, 2)
     eventually(lambda: condition(kube).get("reason") == "AsExpected", 180, interval=1, what="the picker ready")
     busy, idle = pods[0]["status"]["podIP"], pods[1]["status"]["podIP"]
     picker = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"] + ":9002"
