@@ -119,7 +119,7 @@ def gateway_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def test_gateway(binary: Path, picker: str, proxy: str, log: Path) -> Iterator[str]:
+def gateway_process(binary: Path, picker: str, proxy: str, log: Path) -> Iterator[str]:
     port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen([str(binary), "-listen", f"127.0.0.1:{port}", "-picker", picker, "-proxy", proxy],
@@ -139,17 +139,23 @@ def test_gateway(binary: Path, picker: str, proxy: str, log: Path) -> Iterator[s
         terminate(proc)
 
 
-def picker_tokens(kube: Kubectl) -> tuple[float, float]:
-    """The picker's own counters: input and output tokens it read from the responses (histogram sums)."""
+def picker_metrics(kube: Kubectl) -> dict[str, float]:
+    """The picker's own series, summed over their labels."""
     ip = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"]
     with in_cluster(10) as http:
         text = http.get(f"http://{ip}:9090/metrics").text
-    sums = {"input": 0.0, "output": 0.0}
+    sums: dict[str, float] = {}
     for line in text.splitlines():
-        for kind in sums:
-            if line.startswith(f"inference_objective_{kind}_tokens_sum"):
-                sums[kind] += float(line.rsplit(" ", 1)[1])
-    return sums["input"], sums["output"]
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def picker_tokens(kube: Kubectl) -> tuple[float, float]:
+    """The picker's own counters: input and output tokens it read from the responses (histogram sums)."""
+    sums = picker_metrics(kube)
+    return sums.get("inference_objective_input_tokens_sum", 0.0), sums.get("inference_objective_output_tokens_sum", 0.0)
 
 
 def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tallys_ledger_counts(
@@ -163,6 +169,8 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
     kube.apply(manifest)
     pods = runtime_pods(kube, 2)
     eventually(lambda: condition(kube).get("reason") == "AsExpected", 180, interval=1, what="the picker ready")
+    eventually(lambda: picker_metrics(kube).get("inference_pool_ready_pods") == 2, 120, interval=1,
+               what="the picker knows both pods")
     busy, idle = pods[0]["status"]["podIP"], pods[1]["status"]["podIP"]
     picker = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"] + ":9002"
     long_done: list[dict[str, Any]] = []
@@ -177,18 +185,20 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
     holders = [threading.Thread(target=long_stream, args=(i,)) for i in range(3)]
     for holder in holders:
         holder.start()
-    with test_gateway(gateway_binary, picker, kube.env["TALLY_PROXY"], tmp_path / "gateway.log") as url:
+    with gateway_process(gateway_binary, picker, kube.env["TALLY_PROXY"], tmp_path / "gateway.log") as url:
         def queued_on_busy() -> bool:
             with in_cluster(5) as http:
                 page = http.get(f"http://{busy}:8000/metrics").text
             return f'sglang:num_queue_reqs{{model_name="{MODEL}"}} 2.0' in page
         eventually(queued_on_busy, 60, interval=0.5, what="the busy pod running one stream with two queued")
         picked: list[str] = []
+        sent = 0
         for i in range(20):
             body = {"model": MODEL, "prompt": f"Short {i}:", "max_tokens": 4, "stream": i % 2 == 0}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=120,
                                   headers={"X-Tally-Tenant": "via-gateway"})
             assert response.status_code == 200, response.text
+            sent += 1
             picked.append(response.headers["x-test-picked-endpoint"].rsplit(":", 1)[0])
         to_idle = sum(1 for ip in picked if ip == idle)
         print(f"\n[inference-pool] {to_idle} of {len(picked)} short requests went to the idle pod")
@@ -202,6 +212,7 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
             response = httpx.post(f"{url}/v1/completions", timeout=120, headers={"X-Tally-Tenant": "via-gateway"},
                                   json={"model": MODEL, "prompt": f"Later {i}:", "max_tokens": 4, "stream": i % 2 == 1})
             assert response.status_code == 200, response.text
+            sent += 1
             during.append(response.headers["x-test-picked-endpoint"].rsplit(":", 1)[0])
         assert busy not in during, during
         for holder in holders:
@@ -211,5 +222,5 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
         def same_books() -> bool:
             ledger = ledger_tenants(status(kube).get("usage") or {})
             through = ledger.get("via-gateway")
-            return through is not None and through[0] == 30 and picker_tokens(kube) == (through[1], through[2])
+            return through is not None and through[0] == sent and picker_tokens(kube) == (through[1], through[2])
         eventually(same_books, 120, interval=1, what="the picker's token counters equal Tally's ledger for them")

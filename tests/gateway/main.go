@@ -86,9 +86,12 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "body unreadable or too large", http.StatusRequestEntityTooLarge)
 		return
 	}
-	ctx, cancel := context.WithCancel(r.Context())
+	// The exchange with the picker outlives the client's connection (a client that has its whole answer
+	// hangs up at once, and the picker must still read the last part); the request to the pod does not
+	exchange, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 15*time.Minute)
 	defer cancel()
-	stream, err := g.picker.Process(ctx)
+	ctx := r.Context()
+	stream, err := g.picker.Process(exchange)
 	if err != nil {
 		http.Error(w, "picker: "+err.Error(), http.StatusBadGateway)
 		return
@@ -103,7 +106,13 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			headers = append(headers, &corev3.HeaderValue{Key: strings.ToLower(name), RawValue: []byte(value)})
 		}
 	}
-	send := func(req *extproc.ProcessingRequest) error { return stream.Send(req) }
+	send := func(req *extproc.ProcessingRequest) error {
+		err := stream.Send(req)
+		if err != nil {
+			log.Printf("sending to the picker: %v", err)
+		}
+		return err
+	}
 	if err := send(&extproc.ProcessingRequest{Request: &extproc.ProcessingRequest_RequestHeaders{
 		RequestHeaders: &extproc.HttpHeaders{Headers: &corev3.HeaderMap{Headers: headers}}}}); err != nil {
 		http.Error(w, "picker: "+err.Error(), http.StatusBadGateway)
@@ -145,12 +154,25 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer response.Body.Close()
-	// The picker's answers to the response's parts are not needed: drained in the background
+	// The picker's answers to the response's parts are not needed, only read; the exchange ends when the
+	// picker has read the last part (it counts a whole body's usage then), not when the client is answered
+	drained := make(chan struct{})
 	go func() {
+		defer close(drained)
 		for {
 			if _, err := stream.Recv(); err != nil {
+				if !errors.Is(err, io.EOF) {
+					log.Printf("picker stream for %s ended: %v", r.URL.Path, err)
+				}
 				return
 			}
+		}
+	}()
+	defer func() {
+		_ = stream.CloseSend()
+		select {
+		case <-drained:
+		case <-time.After(10 * time.Second):
 		}
 	}()
 	responseHeaders := []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(strconv.Itoa(response.StatusCode))},
