@@ -28,8 +28,8 @@ import (
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extproc "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"google.golang.org/grpc"
 	"golang.org/x/net/proxy"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 )
 
