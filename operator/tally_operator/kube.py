@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -74,28 +75,30 @@ class Kube:
                 config.load_kube_config(client_configuration=configuration)
         self.api = client.ApiClient(configuration)
         self.dynamic = DynamicClient(self.api)
-        self._discovered = -1e9
+        self._discovery = threading.Lock()
+        self._missing: dict[tuple[str, str], float] = {}  # kinds not served -> when last looked up
 
     @_sorted_errors
     def has(self, api_version: str, kind: str) -> bool:
-        """Whether the API server serves this kind (a CRD installed). Discovery is cached; a kind not found
-        makes it read again, at most every DISCOVERY_SECONDS, so a CRD installed later is seen."""
-        try:
-            self._resource(api_version, kind)
-            return True
-        except ResourceNotFoundError:
-            if time.monotonic() - self._discovered < DISCOVERY_SECONDS:
-                return False
-            self._discovered = time.monotonic()
-            self.dynamic.resources.invalidate_cache()
-        try:
-            self._resource(api_version, kind)
-            return True
-        except ResourceNotFoundError:
+        """Whether the API server serves this kind (a CRD installed). A kind not found is looked up again
+        (which reads discovery afresh) at most every DISCOVERY_SECONDS, so a CRD installed later is seen."""
+        key = (api_version, kind)
+        missed = self._missing.get(key)
+        if missed is not None and time.monotonic() - missed < DISCOVERY_SECONDS:
             return False
+        try:
+            self._resource(api_version, kind)
+        except ResourceNotFoundError:
+            self._missing[key] = time.monotonic()
+            return False
+        self._missing.pop(key, None)
+        return True
 
     def _resource(self, api_version: str, kind: str) -> Any:
-        return self.dynamic.resources.get(api_version=api_version, kind=kind)
+        # One lookup at a time: the client's discovery cache is rebuilt in place on a miss, and a lookup from
+        # another thread meanwhile found no Pod kind at all (a pass then failed)
+        with self._discovery:
+            return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
     @_sorted_errors
     def apply(self, obj: Obj) -> Obj:
