@@ -32,14 +32,17 @@ pytestmark = pytest.mark.e2e
 
 CRD = Path(__file__).parent / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 CRD_NAME = "inferencepools.inference.networking.k8s.io"
+OBJECTIVES = Path(__file__).parent / "crds" / "inference.networking.x-k8s.io_inferenceobjectives.yaml"
+OBJECTIVES_NAME = "inferenceobjectives.inference.networking.x-k8s.io"
+FAIRNESS = "x-gateway-inference-fairness-id"
 
 
 @pytest.fixture
 def no_pool_crd(kubectl: Kubectl) -> Iterator[Kubectl]:
     """The cluster without the InferencePool CRD; removed again afterwards (other tests expect none)."""
-    kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=true")
+    kubectl("delete", "crd", CRD_NAME, OBJECTIVES_NAME, "--ignore-not-found", "--wait=true")
     yield kubectl
-    kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=false")
+    kubectl("delete", "crd", CRD_NAME, OBJECTIVES_NAME, "--ignore-not-found", "--wait=false")
 
 
 RUNTIME = "serving.tally.dev/completionservice=smollm"
@@ -139,16 +142,20 @@ def gateway_process(binary: Path, picker: str, proxy: str, log: Path) -> Iterato
         terminate(proc)
 
 
-def picker_metrics(kube: Kubectl) -> dict[str, float]:
-    """The picker's own series, summed over their labels."""
+def picker_lines(kube: Kubectl) -> list[str]:
+    """The picker's own /metrics, its samples' lines."""
     ip = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"]
     with in_cluster(10) as http:
         text = http.get(f"http://{ip}:9090/metrics").text
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def picker_metrics(kube: Kubectl) -> dict[str, float]:
+    """The picker's own series, summed over their labels."""
     sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for line in picker_lines(kube):
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return sums
 
 
@@ -160,13 +167,18 @@ def picker_tokens(kube: Kubectl) -> tuple[float, float]:
 
 def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tallys_ledger_counts(
         operator: ChartOperator, kube: Kubectl, no_pool_crd: Kubectl, gateway_binary: Path, tmp_path: Path) -> None:
-    no_pool_crd("apply", "--server-side", "-f", str(CRD))
-    no_pool_crd("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    for crd, name in ((CRD, CRD_NAME), (OBJECTIVES, OBJECTIVES_NAME)):
+        no_pool_crd("apply", "--server-side", "-f", str(crd))
+        no_pool_crd("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
     manifest = service(replicas=2)
     manifest["spec"]["engine"]["maxConcurrentGenerations"] = 1  # a long stream makes a pod busy, more queue
     manifest["spec"]["routing"] = {"inferencePool": {"enabled": True}}
+    manifest["spec"]["auth"] = {"tenantHeader": FAIRNESS}  # the gateway's fairness id is the tenant
     manifest["spec"]["drainSeconds"] = 120
     kube.apply(manifest)
+    # A service tier is an InferenceObjective of the pool: its priority is the picker's, per request
+    kube.apply({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+                "metadata": {"name": "premium"}, "spec": {"poolRef": {"name": "smollm"}, "priority": 10}})
     pods = runtime_pods(kube, 2)
     eventually(lambda: condition(kube).get("reason") == "AsExpected", 180, interval=1, what="the picker ready")
     eventually(lambda: picker_metrics(kube).get("inference_pool_ready_pods") == 2, 120, interval=1,
@@ -177,7 +189,7 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
 
     def long_stream(i: int) -> None:  # straight to the busy pod, as its own tenant
         with in_cluster(300) as http, http.stream("POST", f"http://{busy}:8000/v1/completions", headers={
-                "X-Tally-Tenant": "busy"}, json={"model": MODEL, "prompt": f"Long story {i}:", "max_tokens": 300,
+                FAIRNESS: "busy"}, json={"model": MODEL, "prompt": f"Long story {i}:", "max_tokens": 300,
                                                   "ignore_eos": True, "stream": True}) as response:
             body = b"".join(response.iter_raw())
         long_done.append({"status": response.status_code, "done": body.rstrip().endswith(b"data: [DONE]")})
@@ -195,8 +207,8 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
         sent = 0
         for i in range(20):
             body = {"model": MODEL, "prompt": f"Short {i}:", "max_tokens": 4, "stream": i % 2 == 0}
-            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120,
-                                  headers={"X-Tally-Tenant": "via-gateway"})
+            headers = {FAIRNESS: "via-gateway"} | ({"x-gateway-inference-objective": "premium"} if i < 5 else {})
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120, headers=headers)
             assert response.status_code == 200, response.text
             sent += 1
             picked.append(response.headers["x-test-picked-endpoint"].rsplit(":", 1)[0])
@@ -209,7 +221,7 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
                    30, interval=0.25, what="the busy pod terminating (the picker drops such a pod)")
         during: list[str] = []
         for i in range(10):
-            response = httpx.post(f"{url}/v1/completions", timeout=120, headers={"X-Tally-Tenant": "via-gateway"},
+            response = httpx.post(f"{url}/v1/completions", timeout=120, headers={FAIRNESS: "via-gateway"},
                                   json={"model": MODEL, "prompt": f"Later {i}:", "max_tokens": 4, "stream": i % 2 == 1})
             assert response.status_code == 200, response.text
             sent += 1
@@ -224,3 +236,6 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
             through = ledger.get("via-gateway")
             return through is not None and through[0] == sent and picker_tokens(kube) == (through[1], through[2])
         eventually(same_books, 120, interval=1, what="the picker's token counters equal Tally's ledger for them")
+        premium = sum(float(line.rsplit(" ", 1)[1]) for line in picker_lines(kube)
+                      if line.startswith("inference_objective_request_total{") and 'priority="10"' in line)
+        assert premium == 5  # the tier's requests, at its priority; billed to their tenant like the rest
