@@ -281,8 +281,10 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
     name = meta["name"]
     pod_labels = {**activator_selector(name), c.LABEL_NAME: "tally-activator", c.LABEL_INSTANCE: name,
                   c.LABEL_COMPONENT: "activator", c.LABEL_PART_OF: "tally", c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+    # Readiness is what the Service switches to at zero: probed often, but patient with a busy node (two
+    # activators failing a 2 s probe at once, while a model loaded beside them, left the Service empty)
     probe = {"httpGet": {"path": "/health", "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": 2,
-             "timeoutSeconds": 2, "failureThreshold": 3}
+             "timeoutSeconds": 5, "failureThreshold": 5}
     container: Obj = {
         "name": "activator",
         "image": settings.runtime_image,

@@ -51,11 +51,21 @@ def seconds(stamp: str) -> float:
     return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
+def service_endpoints(kube: Kubectl) -> set[str]:
+    """The ready addresses of the Service's EndpointSlices (what kube-proxy sends its connections to)."""
+    slices = kube.json("get", "endpointslices", "-l", "kubernetes.io/service-name=smollm")["items"]
+    return {address for s in slices for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready") for address in e.get("addresses") or []}
+
+
 def at_rest(kube: Kubectl) -> bool:
-    """Zero runtime pods (none even terminating), two ready activator pods, the Service on the activator."""
+    """Zero runtime pods (none even terminating), two ready activator pods, the Service on the activator and
+    its endpoints those two pods."""
     runtime = kube.json("get", "pods", "-l", RUNTIME)["items"]
-    return (not runtime and sum(map(ready, pods(kube, ACTIVATOR))) == 2
-            and selector(kube) == {"serving.tally.dev/activator-for": "smollm"})
+    activators = [p for p in pods(kube, ACTIVATOR) if ready(p)]
+    return (not runtime and len(activators) == 2
+            and selector(kube) == {"serving.tally.dev/activator-for": "smollm"}
+            and service_endpoints(kube) == {p["status"]["podIP"] for p in activators})
 
 
 def draining(kube: Kubectl) -> bool:
@@ -78,7 +88,8 @@ def test_held_streams_are_answered_from_zero_and_the_ledger_is_continuous_throug
 
     def stream(i: int) -> None:
         with in_cluster(300) as http:
-            sdk = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", http_client=http, max_retries=0)
+            # the SDK's default retries, as a client has them: a connection refused never reached a server
+            sdk = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", http_client=http)
             try:
                 usage, text, first = None, "", None
                 for chunk in sdk.chat.completions.create(
