@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from runtime_harness import free_port, metric_value, terminate, until, wait_healthy
+from runtime_harness import free_port, metric_value, runtime_process, terminate, until, wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 STREAMS = 8
@@ -44,17 +44,9 @@ def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[
 
 @contextmanager
 def runtime_on(tmp_path: Path, port: int, *flags: str) -> Iterator[str]:
-    log = tmp_path / "runtime.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port), *flags], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log, deadline=120)
+    """The real runtime on the port the activator forwards to, started only once requests are held."""
+    with runtime_process(tmp_path / "runtime.log", *flags, port=port) as (_, url):
         yield url
-    finally:
-        terminate(proc)
 
 
 def held(metrics: str) -> int:

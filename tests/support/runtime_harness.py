@@ -98,12 +98,13 @@ def until(predicate: Callable[[], bool], deadline: float, interval: float = 0.05
 
 
 @contextmanager
-def runtime_process(log: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`tally-runtime serve` (CPU engine) as a user runs it, with extra flags; stopped afterwards."""
+def runtime_process(log: Path, *args: str, port: int = 0) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`tally-runtime serve` (CPU engine) as a user runs it, with extra flags, on `port` (0: a free one);
+    stopped afterwards."""
     import os
     import sys
 
-    port = free_port()
+    port = port or free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "serve", "--host", "127.0.0.1",
                                  "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT,
