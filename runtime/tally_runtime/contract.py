@@ -114,12 +114,13 @@ ENGINE_ARG_VALUES = frozenset({
     "--max-prefill-tokens", "--max-total-tokens", "--page-size", "--dtype", "--kv-cache-dtype", "--quantization",
     "--attention-backend", "--sampling-backend", "--grammar-backend", "--random-seed", "--watchdog-timeout",
     "--cuda-graph-max-bs-decode", "--cuda-graph-max-bs-prefill", "--num-continuous-decode-steps",
-    "--tool-call-parser", "--reasoning-parser",
+    "--tool-call-parser", "--reasoning-parser", "--constrained-json-max-whitespace-cnt",
     "--device",
 })
 ENGINE_ARG_SWITCHES = frozenset({
     "--disable-radix-cache", "--disable-cuda-graph", "--disable-overlap-schedule", "--enable-mixed-chunk",
-    "--enable-torch-compile", "--enable-dp-attention", "--skip-server-warmup", *STREAMING_FLAGS,
+    "--enable-torch-compile", "--enable-dp-attention", "--skip-server-warmup",
+    "--constrained-json-disable-any-whitespace", *STREAMING_FLAGS,
 })
 ENGINE_ARG_VALUE_CHARS = "A-Za-z0-9._:+,-"
 MAX_ENGINE_ARG_VALUE = 128

@@ -4,12 +4,13 @@ and no spelling of `--trust-remote-code` or a remote tokenizer gets through the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 from sglang.srt.server_args import ServerArgs
 
 from tally_runtime.contract import ENGINE_ARG_SWITCHES, ENGINE_ARG_VALUES, STREAMING_FLAGS
-from tally_runtime.engine.sglang import parse_pass_through
+from tally_runtime.engine.sglang import JSON_WHITESPACE_RUN, parse_pass_through, tally_defaults
 
 pytestmark = pytest.mark.sglang
 
@@ -47,3 +48,21 @@ def test_the_runtime_parse_never_turns_on_remote_code(args: list[str]) -> None:
 def test_allowed_options_parse_to_their_fields() -> None:
     parsed = parse_pass_through(ServerArgs, ["--stream-interval=2", "--disable-radix-cache", "--device=cpu"])
     assert parsed["stream_interval"] == 2 and parsed["disable_radix_cache"] is True and parsed["device"] == "cpu"
+
+
+def test_json_whitespace_runs_are_bounded_unless_a_service_says_otherwise() -> None:
+    """SGLang's own default lets constrained JSON run whitespace without end (a request once spent its
+    400 tokens so): Tally starts SGLang with a bound, a service's --constrained-json-max-whitespace-cnt wins,
+    and a generation without the option gets nothing it would refuse."""
+    assert tally_defaults(ServerArgs) == {"constrained_json_max_whitespace_cnt": JSON_WHITESPACE_RUN}
+    given = {**tally_defaults(ServerArgs),
+             **parse_pass_through(ServerArgs, ["--constrained-json-max-whitespace-cnt=2"])}
+    assert given["constrained_json_max_whitespace_cnt"] == 2
+    assert parse_pass_through(ServerArgs, ["--constrained-json-disable-any-whitespace"]) == {
+        "constrained_json_disable_any_whitespace": True}
+
+    @dataclasses.dataclass
+    class Older:  # an older generation's ServerArgs, without the option
+        model_path: str = ""
+
+    assert tally_defaults(Older) == {}

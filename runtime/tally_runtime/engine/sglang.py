@@ -89,6 +89,20 @@ def base_kwargs(settings: EngineConfig) -> dict[str, Any]:
     return kwargs
 
 
+# SGLang's xgrammar lets constrained JSON have any run of whitespace between tokens: a small model at a
+# temperature can spend a request's whole max_tokens on it (billed, and the output cut unparseable). Tally
+# bounds each run, as llama.cpp's converter does (one space); spec.engine.args may set another bound or
+# --constrained-json-disable-any-whitespace.
+JSON_WHITESPACE_RUN = 16
+
+
+def tally_defaults(server_args_cls: Any) -> dict[str, Any]:
+    """Tally's own defaults for options a service may still set, where this generation declares them."""
+    if "constrained_json_max_whitespace_cnt" in compat.declared_fields(server_args_cls):
+        return {"constrained_json_max_whitespace_cnt": JSON_WHITESPACE_RUN}
+    return {}
+
+
 def parse_pass_through(server_args_cls: Any, args: Sequence[str]) -> dict[str, Any]:
     """Turn pass-through CLI arguments into constructor arguments with SGLang's own parser, abbreviations
     off: every item that starts with `-` must be one of SGLang's options by its full name (`--name` or
@@ -132,7 +146,8 @@ class SGLangEngine:
         self.generation = compat.detect_generation(server_args_cls, version)
         passed = compat.split_engine_args(self.settings.engine_args)
         kwargs = compat.engine_kwargs(
-            server_args_cls, {**parse_pass_through(server_args_cls, passed), **base_kwargs(self.settings)},
+            server_args_cls, {**tally_defaults(server_args_cls), **parse_pass_through(server_args_cls, passed),
+                              **base_kwargs(self.settings)},
         )
         log.info("Starting SGLang %s (generation %s) with %s=True", version, self.generation,
                  compat.streaming_field(server_args_cls))
