@@ -153,7 +153,7 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
     # What each pod may reach: as recorded, or less where its /metrics show it applied our last message
     leases = {uid: confirmed_lease(lease, after.readings.get(uid), reports.get(uid)) for uid, lease in leases.items()}
     views: dict[str, TenantView] = {}
-    grants: dict[str, dict[str, int]] = {uid: {} for uid in serving if uid in after.readings}
+    grants: dict[str, dict[str, int]] = {uid: {} for uid in sorted(serving) if uid in after.readings}
     counts: dict[str, dict[str, int]] = {uid: {} for uid in grants}  # what the status keeps counting
     for tenant in budgeted:
         budget = config.of(tenant)
