@@ -281,6 +281,8 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
     name = meta["name"]
     pod_labels = {**activator_selector(name), c.LABEL_NAME: "tally-activator", c.LABEL_INSTANCE: name,
                   c.LABEL_COMPONENT: "activator", c.LABEL_PART_OF: "tally", c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+    # Routed through a pool: at zero the pool selects these pods, and the picker reads their gauges as a pod's
+    picked = ["--model-server-metrics", "--served-model-name", spec.model_name] if spec.pool is not None else []
     # Readiness is what the Service switches to at zero: probed often, but patient with a busy node (two
     # activators failing a 2 s probe at once, while a model loaded beside them, left the Service empty)
     probe = {"httpGet": {"path": "/health", "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": 2,
@@ -290,7 +292,8 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
         "image": settings.runtime_image,
         "args": ["activate", "--service", f"{meta['namespace']}/{name}", "--backend", backend_url(meta, settings),
                  "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
-                 "--max-held", str(scaling.max_held_requests), "--hold-seconds", f"{scaling.hold_seconds:g}"],
+                 "--max-held", str(scaling.max_held_requests), "--hold-seconds", f"{scaling.hold_seconds:g}",
+                 *picked],
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
                   {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
@@ -309,7 +312,7 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
             "selector": {"matchLabels": activator_selector(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": pod_labels},
+                "metadata": {"labels": {**pod_labels, **engine_type_labels(spec)}},
                 "spec": {
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],

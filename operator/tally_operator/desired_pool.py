@@ -2,10 +2,13 @@
 operator runs for it unless the spec names one (docs/DESIGN.md, "The InferencePool backend").
 
 The pool selects the service's runtime pods (the Deployment's selector label) on the API port, where the
-runtime serves the picker's gauges (`--model-server-metrics`). The picker is the Gateway API Inference
-Extension's EPP in pool mode: a Deployment and Service named `<name>-epp`, and a ServiceAccount bound in the
-service's namespace to the chart's ClusterRole for pickers (read pods and pools): the operator writes no
-Role of its own, so it can grant nothing it was not given.
+runtime serves the picker's gauges (`--model-server-metrics`); a service that scales to zero has its pool
+switched to its activator's pods while it has no ready pod, as its Service is, so the picker sends requests
+where they are held (the activator serves the same gauges: what it holds is its queue).
+
+The picker is the Gateway API Inference Extension's EPP in pool mode: a Deployment and Service named
+`<name>-epp`, and a ServiceAccount bound in the service's namespace to the chart's ClusterRole for pickers
+(read pods and pools): the operator writes no Role of its own, so it can grant nothing it was not given.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tally_operator import constants as c
-from tally_operator.desired import labels, owner_reference, selector_labels
+from tally_operator.desired import activator_selector, labels, owner_reference, selector_labels
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec
 
@@ -32,20 +35,27 @@ def _metadata(meta: Mapping[str, Any], name: str, component: str) -> Obj:
             "ownerReferences": [owner_reference(meta)]}
 
 
-def desired_inference_pool(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
+def desired_inference_pool(meta: Mapping[str, Any], spec: Spec, to_activator: bool = False) -> Obj | None:
     if spec.pool is None:
         return None
+    name = meta["name"]
     return {
         "apiVersion": c.POOL_API_VERSION,
         "kind": c.POOL_KIND,
-        "metadata": _metadata(meta, meta["name"], "inference-pool"),
+        "metadata": _metadata(meta, name, "inference-pool"),
         "spec": {
-            "selector": {"matchLabels": selector_labels(meta["name"])},
+            "selector": {"matchLabels": activator_selector(name) if to_activator else selector_labels(name)},
             "targetPorts": [{"number": c.RUNTIME_PORT}],
             "endpointPickerRef": {"kind": "Service", "name": picker_name(meta, spec),
                                   "port": {"number": spec.pool.picker_port}, "failureMode": spec.pool.failure_mode},
         },
     }
+
+
+def pool_routes_to_activator(pool: Mapping[str, Any] | None) -> bool:
+    """Whether an InferencePool as read selects the activator's pods."""
+    return (((pool or {}).get("spec") or {}).get("selector") or {}).get("matchLabels") == activator_selector(
+        str(((pool or {}).get("metadata") or {}).get("name", "")))
 
 
 def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> list[Obj]:

@@ -55,7 +55,12 @@ from tally_operator.desired import (
     endpoint,
     routes_to_activator,
 )
-from tally_operator.desired_pool import desired_inference_pool, desired_picker, picker_name
+from tally_operator.desired_pool import (
+    desired_inference_pool,
+    desired_picker,
+    picker_name,
+    pool_routes_to_activator,
+)
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
 from tally_operator.observations import Observations
@@ -211,7 +216,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         ctx.post_event(body, "Normal", "ScaledUp", f"0 -> 1 pod (Activated): {activated.requests} request(s) held "
                                                    "by the activator")
     if spec.autoscaling is not None and spec.autoscaling.scales_to_zero:
-        await asyncio.to_thread(route, ctx, body, meta, to_activator=spec.replicas == 0 or not serving_uids(pods))
+        await asyncio.to_thread(route, ctx, body, meta, spec,
+                                to_activator=spec.replicas == 0 or not serving_uids(pods))
     fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
     fields["desiredReplicas"] = spec.replicas  # with autoscaling, the count it decided (read from the Deployment)
     ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
@@ -316,7 +322,7 @@ async def rescale(ctx: Context, body: kopf.Body, meta: Mapping[str, str], spec: 
     if decision.replicas == spec.replicas:
         return
     if decision.replicas == 0:  # the activator takes new requests before the last pod starts to drain
-        await asyncio.to_thread(route, ctx, body, meta, to_activator=True)
+        await asyncio.to_thread(route, ctx, body, meta, spec, to_activator=True)
     if decision.replicas < spec.replicas:
         for pod in pods:
             uid = pod["metadata"]["uid"]
@@ -527,15 +533,16 @@ def apply_all(ctx: Context, meta: dict[str, str], spec: Spec, was_routed: bool =
         ("apps/v1", "Deployment", name + c.ACTIVATOR_SUFFIX, desired_activator(meta, spec, ctx.settings)),
         ("v1", "Service", name + c.BACKEND_SUFFIX, desired_backend_service(meta, spec)),
     ]
+    to_activator = False
     for api_version, kind, child, desired in children:
         if desired is None and kind == "NetworkPolicy" and not ctx.settings.network_policy:
             continue  # never managed here: nothing to look for (and no RBAC to look with)
         if kind == "Service" and child == name:
-            existing = ctx.kube.get(api_version, kind, child, meta["namespace"])
-            desired = desired_service(meta, to_activator=zero and routes_to_activator(existing))
+            to_activator = zero and routes_to_activator(ctx.kube.get(api_version, kind, child, meta["namespace"]))
+            desired = desired_service(meta, to_activator=to_activator)
         apply_child(ctx, meta, api_version, kind, child, desired)
     if spec.pool is not None or was_routed:
-        apply_pool(ctx, meta, spec)
+        apply_pool(ctx, meta, spec, to_activator)  # the pool points where the Service does
 
 
 def apply_child(ctx: Context, meta: Mapping[str, str], api_version: str, kind: str, child: str,
@@ -555,13 +562,14 @@ PICKER_KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role
                 ("v1", "Service"))
 
 
-def apply_pool(ctx: Context, meta: Mapping[str, str], spec: Spec) -> None:
+def apply_pool(ctx: Context, meta: Mapping[str, str], spec: Spec, to_activator: bool = False) -> None:
     """The InferencePool and the picker the operator runs for it, only where the pool's CRD is installed
     (pool_status says so otherwise); both deleted once the service is no longer routed or names its own
     picker."""
     served = ctx.kube.has(c.POOL_API_VERSION, c.POOL_KIND)
     if served:
-        apply_child(ctx, meta, c.POOL_API_VERSION, c.POOL_KIND, meta["name"], desired_inference_pool(meta, spec))
+        apply_child(ctx, meta, c.POOL_API_VERSION, c.POOL_KIND, meta["name"],
+                    desired_inference_pool(meta, spec, to_activator))
     # A picker without its pool's kind would only fail: it waits for the CRD as the pool does
     wanted = {(o["apiVersion"], o["kind"]): o for o in desired_picker(meta, spec, ctx.settings)} if served else {}
     for api_version, kind in PICKER_KINDS:
@@ -595,16 +603,28 @@ def pool_status(ctx: Context, meta: Mapping[str, str], spec: Spec) -> tuple[dict
                            f"The endpoint picker {picker} has no ready pod ({ctx.settings.picker_image})")
 
 
-def route(ctx: Context, body: Any, meta: Mapping[str, str], to_activator: bool) -> None:
-    """Point a service that scales to zero at its activator (no ready pod) or back at its pods."""
+def route(ctx: Context, body: Any, meta: Mapping[str, str], spec: Spec, to_activator: bool) -> None:
+    """Point a service that scales to zero at its activator (no ready pod) or back at its pods: its Service
+    and, when routed through one, its InferencePool (each only if it is ours and points elsewhere)."""
+    switched = []
     service = ctx.kube.get("v1", "Service", meta["name"], meta["namespace"])
-    if service is None or controller_uid(service) != meta["uid"] or routes_to_activator(service) == to_activator:
+    if service is not None and controller_uid(service) == meta["uid"] and \
+            routes_to_activator(service) != to_activator:
+        ctx.kube.apply(desired_service(dict(meta), to_activator=to_activator))
+        switched.append("Service")
+    desired_pool = desired_inference_pool(meta, spec, to_activator)
+    if desired_pool is not None and ctx.kube.has(c.POOL_API_VERSION, c.POOL_KIND):
+        pool = ctx.kube.get(c.POOL_API_VERSION, c.POOL_KIND, meta["name"], meta["namespace"])
+        if pool is not None and controller_uid(pool) == meta["uid"] and \
+                pool_routes_to_activator(pool) != to_activator:
+            ctx.kube.apply(desired_pool)
+            switched.append("InferencePool")
+    if not switched:
         return
-    ctx.kube.apply(desired_service(dict(meta), to_activator=to_activator))
     where = "its activator (no ready pod)" if to_activator else "its pods"
-    log.info("Service %s/%s now points at %s", meta["namespace"], meta["name"], where)
-    ctx.post_event(body, "Normal", "RoutedToActivator" if to_activator else "RoutedToPods",
-                   f"The Service now points at {where}")
+    what = f"The {' and the '.join(switched)} now point{'s' if len(switched) == 1 else ''} at {where}"
+    log.info("%s/%s: %s", meta["namespace"], meta["name"], what)
+    ctx.post_event(body, "Normal", "RoutedToActivator" if to_activator else "RoutedToPods", what)
 
 
 def created_at(meta: Mapping[str, Any]) -> float | None:

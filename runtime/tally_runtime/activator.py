@@ -11,6 +11,11 @@ model), read API keys (the pod authenticates the forwarded request), or hold wit
 held time, body size; a refusal is the OpenAI 503 envelope with `Retry-After`). Every request, held or not,
 is forwarded once a pod answers, so a client whose connection lands here after a pod is ready is only
 relayed (the Service points back at the pods within seconds).
+
+Behind an InferencePool (`--model-server-metrics`) the operator switches the pool to these pods too, and the
+endpoint picker scrapes `/metrics` on the API port many times a second: that is answered here with the
+picker's gauges (what is held is the queue, what is being relayed is running), never held or forwarded, so
+a picker's scrapes never wake the service.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tally_runtime import pool_metrics
+from tally_runtime.engine.base import CacheLoad
 
 log = logging.getLogger("tally_runtime.activator")
 
@@ -59,6 +67,7 @@ class ActivatorSettings:
     hold_seconds: float = 300.0  # how long a request waits for a ready pod before its 503
     max_body_bytes: int = 4 << 20
     probe_seconds: float = 0.25  # between probes of the backend while something is held
+    picker_model: str | None = None  # behind an InferencePool: the model named by the picker's gauges
 
 
 class Refusal(Exception):
@@ -113,6 +122,7 @@ class Activator:
         self._prober: asyncio.Task[None] | None = None
         self._opening = asyncio.Semaphore(FORWARDS_OPENING)
         self._held_changed = asyncio.Event()
+        self.relaying = 0  # requests sent on to a pod whose responses are not over yet
 
     # ---- the queue
 
@@ -196,6 +206,12 @@ class Activator:
         if scope.get("server") and scope["server"][1] == self.settings.metrics_port:
             await self._metrics_port(scope, send)
             return
+        if self.settings.picker_model is not None and scope["path"] == "/metrics" and scope["method"] == "GET":
+            body = pool_metrics.render(self.settings.picker_model, self.held, self.relaying, CacheLoad())
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", pool_metrics.CONTENT_TYPE.encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
         try:
             await self._relay(scope, receive, send)
         except ClientGone:
@@ -245,6 +261,13 @@ class Activator:
         query = scope.get("query_string") or b""
         url = self.settings.backend + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        self.relaying += 1
+        try:
+            await self._forward(request, held_at, receive, send)
+        finally:
+            self.relaying -= 1
+
+    async def _forward(self, request: httpx.Request, held_at: float | None, receive: Receive, send: Send) -> None:
         try:
             response = await self._while_connected(self._send(request), receive)
         except httpx.HTTPError as err:
@@ -333,6 +356,9 @@ def parse_args(argv: Sequence[str]) -> ActivatorSettings:
     parser.add_argument("--max-held", type=int, default=64)
     parser.add_argument("--hold-seconds", type=float, default=300.0)
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    parser.add_argument("--model-server-metrics", action="store_true",
+                        help="behind an InferencePool: answer the endpoint picker's /metrics on the API port")
+    parser.add_argument("--served-model-name", default="", help="the model the picker's gauges name")
     args = parser.parse_args(list(argv))
     if args.max_held < 1 or not 0 < args.hold_seconds <= 3600 or args.max_body_bytes < 1:
         parser.error("--max-held, --hold-seconds (at most 3600) and --max-body-bytes must be positive")
@@ -340,7 +366,8 @@ def parse_args(argv: Sequence[str]) -> ActivatorSettings:
         parser.error("--backend must be an http(s) URL")
     return ActivatorSettings(service=args.service, backend=args.backend.rstrip("/"), port=args.port,
                              metrics_port=args.metrics_port, host=args.host, max_held=args.max_held,
-                             hold_seconds=args.hold_seconds, max_body_bytes=args.max_body_bytes)
+                             hold_seconds=args.hold_seconds, max_body_bytes=args.max_body_bytes,
+                             picker_model=args.served_model_name if args.model_server_metrics else None)
 
 
 def main(argv: Sequence[str]) -> None:

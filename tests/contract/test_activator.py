@@ -181,3 +181,29 @@ def _send_held(url: str) -> socket.socket:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
+
+
+def test_behind_a_pool_the_pickers_scrapes_are_answered_here_and_count_what_is_held(tmp_path: Path) -> None:
+    """With --model-server-metrics the picker's scrape of the API port's /metrics is answered at once with its
+    gauges (what is held is the queue) and is never held itself: a picker scraping a service at zero never
+    wakes it. Without the flag the same GET is an ordinary request, held like any other."""
+    flags = ("--model-server-metrics", "--served-model-name", MODEL, "--max-held", "4", "--hold-seconds", "120")
+    gauge = {"model_name": MODEL}
+    with activator(tmp_path, free_port(), *flags) as (url, metrics):
+        for _ in range(20):  # a picker scrapes many times a second
+            page = httpx.get(f"{url}/metrics", timeout=5)
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+            assert metric_value(page.text, "sglang:num_queue_reqs", gauge) == 0
+        assert held(metrics) == 0 and "tally_" not in page.text
+        leaving = [_send_held(url) for _ in range(3)]
+        assert until(lambda: metric_value(httpx.get(f"{url}/metrics").text, "sglang:num_queue_reqs", gauge) == 3, 30)
+        page = httpx.get(f"{url}/metrics").text
+        assert metric_value(page, "sglang:num_running_reqs", gauge) == 0 == metric_value(page, "sglang:token_usage",
+                                                                                           gauge)
+        assert 'sglang:cache_config_info{model_name="smollm2-135m-instruct",page_size="1",num_pages="0"} 1.0' in page
+        assert held(metrics) == 3
+        for sock in leaving:
+            sock.close()
+        assert until(lambda: held(metrics) == 0, 30)
+    with activator(tmp_path, free_port(), "--hold-seconds", "1") as (url, _):
+        assert httpx.get(f"{url}/metrics", timeout=30).status_code == 503  # held, then timed out: not answered

@@ -8,14 +8,19 @@ off removes them.
 Then the picker itself (the extension's EPP v1.5.0, built by `make images`) behind a test gateway
 (tests/gateway: the gateway's side of ext_proc, in Go): with one pod held busy by long streams, new short
 requests go to the other; a pod that drains gets none; every stream completes; and the picker's own token
-counters equal Tally's ledger for the requests that went through it, streamed or not."""
+counters equal Tally's ledger for the requests that went through it, streamed or not.
+
+And a routed service that scales to zero: at zero its pool selects the activators, so the picker's requests are
+held and wake it, and the ledger equals what those clients were told through 0 -> 1 -> 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -239,3 +244,101 @@ def test_the_picker_sends_new_requests_away_from_a_busy_pod_and_counts_what_tall
         premium = sum(float(line.rsplit(" ", 1)[1]) for line in picker_lines(kube)
                       if line.startswith("inference_objective_request_total{") and 'priority="10"' in line)
         assert premium == 5  # the tier's requests, at its priority; billed to their tenant like the rest
+
+
+ACTIVATOR = "serving.tally.dev/activator-for"
+
+
+def pool_selector(kube: Kubectl) -> dict[str, str]:
+    return dict(kube.json("get", "inferencepool", "smollm")["spec"]["selector"]["matchLabels"])
+
+
+def billed_usage(response: httpx.Response) -> tuple[int, int]:
+    """(prompt, completion) tokens the client was told: a JSON body's usage, or a stream's usage chunk."""
+    if response.headers["content-type"].startswith("application/json"):
+        usage = response.json()["usage"]
+    else:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+    return usage["prompt_tokens"], usage["completion_tokens"]
+
+
+def test_a_routed_service_at_zero_is_woken_through_the_picker_and_billed_as_its_clients_were_told(
+        operator: ChartOperator, kube: Kubectl, no_pool_crd: Kubectl, gateway_binary: Path, tmp_path: Path) -> None:
+    """Scale to zero behind the picker: at zero the pool selects the activator's pods (as the Service does), so
+    the picker picks one and the request is held there, not refused; the picker's scrapes of the activators
+    never wake the service; the held requests start a pod and are answered through the activator; once the pod
+    is ready the pool selects it and the picker sends new requests straight to it; after the grace the pool is
+    back on the activators. What the clients were told equals the ledger through 0 -> 1 -> 0."""
+    no_pool_crd("apply", "--server-side", "-f", str(CRD))
+    no_pool_crd("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    manifest = service(replicas=1)
+    manifest["spec"]["routing"] = {"inferencePool": {"enabled": True}}
+    manifest["spec"]["auth"] = {"tenantHeader": FAIRNESS}
+    manifest["spec"]["autoscaling"] = {
+        "minReplicas": 0, "maxReplicas": 1, "metric": "queuedRequests", "target": 4, "stableWindowSeconds": 10,
+        "panicWindowSeconds": 4, "scaleDownDelaySeconds": 10,
+        "scaleToZero": {"graceSeconds": 20, "holdSeconds": 240, "maxHeldRequests": 32, "activatorReplicas": 2}}
+    kube.apply(manifest)
+    at_zero = {ACTIVATOR: "smollm"}
+
+    def resting() -> bool:
+        return (not kube.json("get", "pods", "-l", RUNTIME)["items"] and pool_selector(kube) == at_zero
+                and condition(kube).get("reason") == "AsExpected"
+                and picker_metrics(kube).get("inference_pool_ready_pods") == 2)
+
+    eventually(resting, 240, interval=1, what="no runtime pod, the pool on the two activators, the picker ready")
+    activators = {p["status"]["podIP"] for p in kube.json("get", "pods", "-l", f"{ACTIVATOR}=smollm")["items"]}
+    # The picker scrapes the activators many times a second: for 6 s of it nothing is held or counted there,
+    # and no pod is asked for (an absence, so watched for a while rather than waited for)
+    watch_until = time.monotonic() + 6
+    while time.monotonic() < watch_until:
+        with in_cluster(10) as http:
+            pages = [http.get(f"http://{ip}:8001/metrics").text for ip in activators]
+        assert all("tally_activator_held_requests 0.0" in page and "tally_activator_requests_total{" not in page
+                   for page in pages), pages
+        assert (status(kube).get("autoscaling") or {}).get("desiredReplicas", 0) == 0
+        assert not kube.json("get", "pods", "-l", RUNTIME)["items"]
+        time.sleep(0.5)
+    picker = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"] + ":9002"
+    told: list[tuple[int, int]] = []
+    picked: list[str] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def ask(url: str, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Wake {i}:", "max_tokens": 6, "stream": i % 2 == 0}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=300, headers={FAIRNESS: "woken"})
+        with lock:
+            if response.status_code != 200:
+                failures.append(f"{response.status_code} {response.text[:300]}")
+                return
+            told.append(billed_usage(response))
+            picked.append(response.headers["x-test-picked-endpoint"].rsplit(":", 1)[0])
+
+    with gateway_process(gateway_binary, picker, kube.env["TALLY_PROXY"], tmp_path / "gateway.log") as url:
+        clients = [threading.Thread(target=ask, args=(url, i)) for i in range(4)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(timeout=300)
+        assert not failures, failures
+        assert len(told) == 4 and set(picked) <= activators, (picked, activators)
+        (pod,) = runtime_pods(kube, 1)
+        eventually(lambda: pool_selector(kube) == {"serving.tally.dev/completionservice": "smollm"}, 60,
+                   interval=1, what="the pool on the pod once it is ready")
+        eventually(lambda: picker_metrics(kube).get("inference_pool_ready_pods") == 1, 60, interval=1,
+                   what="the picker knows the pod alone")
+        ask(url, 5)  # straight to the pod now
+        assert not failures and picked[-1] == pod["status"]["podIP"], (failures, picked)
+        reasons = kube("get", "events", "-o", "jsonpath={.items[*].message}")
+        assert "The Service and the InferencePool now point at its pods" in reasons, reasons
+    eventually(resting, 240, interval=1, what="back to zero after the grace, the pool on the activators")
+
+    def same_books() -> bool:
+        ledger = ledger_tenants(status(kube).get("usage") or {})
+        return ledger.get("woken") == (len(told), sum(p for p, _ in told), sum(c for _, c in told))
+    eventually(same_books, 90, interval=1, what="the ledger equal to what the clients were told")

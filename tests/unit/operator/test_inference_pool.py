@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from tally_operator import constants as c
-from tally_operator.desired import desired_deployment, runtime_args
-from tally_operator.desired_pool import desired_inference_pool, desired_picker
-from tally_operator.reconcile import Context, pool_status
+from tally_operator.desired import desired_activator, desired_deployment, desired_service, runtime_args
+from tally_operator.desired_pool import desired_inference_pool, desired_picker, pool_routes_to_activator
+from tally_operator.reconcile import Context, pool_status, route
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
 from tally_operator.spec import SpecError, parse_spec
@@ -119,3 +119,63 @@ def test_the_gateways_fairness_id_can_name_the_tenant_and_nothing_else_can_be_na
     assert "--tenant-header" not in runtime_args(parse_spec(BASE), META)
     with pytest.raises(SpecError):
         parse_spec({**keyed, "auth": {**keyed["auth"], "tenantHeader": "Authorization"}})
+
+
+ZERO_ROUTED = {**ROUTED, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}
+
+
+def test_at_zero_the_pool_selects_the_activator_whose_pods_serve_the_pickers_gauges() -> None:
+    spec = parse_spec(ZERO_ROUTED)
+    at_zero, serving = desired_inference_pool(META, spec, to_activator=True), desired_inference_pool(META, spec)
+    assert at_zero is not None and serving is not None
+    assert at_zero["spec"]["selector"] == {"matchLabels": {c.LABEL_ACTIVATOR: "chat"}}
+    assert pool_routes_to_activator(at_zero) and not pool_routes_to_activator(serving)
+    assert not pool_routes_to_activator(None)
+    assert {k: v for k, v in at_zero["spec"].items() if k != "selector"} == {
+        k: v for k, v in serving["spec"].items() if k != "selector"}
+    activator = desired_activator(META, spec, SETTINGS)
+    assert activator is not None
+    labels = activator["spec"]["template"]["metadata"]["labels"]
+    assert labels["inference.networking.k8s.io/engine-type"] == labels["llm-d.ai/engine-type"] == "sglang"
+    args = activator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-3:] == ["--model-server-metrics", "--served-model-name", "m"]
+    plain = desired_activator(META, parse_spec({**BASE, "autoscaling": ZERO_ROUTED["autoscaling"]}), SETTINGS)
+    assert plain is not None and "--model-server-metrics" not in plain["spec"]["template"]["spec"]["containers"][0][
+        "args"] and "llm-d.ai/engine-type" not in plain["spec"]["template"]["metadata"]["labels"]
+
+
+class RecordingKube(Kube):
+    def __init__(self, served: bool, objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+        super().__init__(served, objects)
+        self.applied: list[tuple[str, dict[str, Any]]] = []
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.applied.append((obj["kind"], obj["spec"]["selector"]))
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+
+
+def owned(obj: dict[str, Any] | None, uid: str = "u-1") -> dict[str, Any]:
+    assert obj is not None
+    obj["metadata"]["ownerReferences"] = [{"controller": True, "uid": uid}]
+    return obj
+
+
+@pytest.mark.parametrize("pool_owner", ["u-1", "someone-else"])
+def test_the_pool_switches_with_the_service_and_only_when_it_points_elsewhere(pool_owner: str) -> None:
+    spec = parse_spec(ZERO_ROUTED)
+    kube = RecordingKube(True, {("Service", "chat"): owned(desired_service(META)),
+                                ("InferencePool", "chat"): owned(desired_inference_pool(META, spec), pool_owner)})
+    events: list[tuple[str, str]] = []
+    ctx = Context(SETTINGS, kube, None, Signer.load(""),  # type: ignore[arg-type]
+                  post_event=lambda body, kind, reason, message: events.append((reason, message)))
+    route(ctx, {}, META, spec, to_activator=True)
+    ours = pool_owner == "u-1"
+    assert [kind for kind, _ in kube.applied] == ["Service", *(["InferencePool"] if ours else [])]
+    assert all(c.LABEL_ACTIVATOR in str(selector) for _, selector in kube.applied)
+    assert events == [("RoutedToActivator", f"The Service{' and the InferencePool' if ours else ''} now "
+                                            f"point{'' if ours else 's'} at its activator (no ready pod)")]
+    route(ctx, {}, META, spec, to_activator=True)  # already there: nothing written, no event
+    assert len(kube.applied) == (2 if ours else 1) and len(events) == 1
+    route(ctx, {}, META, spec, to_activator=False)
+    assert [kind for kind, _ in kube.applied[-2 if ours else -1:]] == ["Service", *(["InferencePool"] if ours else [])]
+    assert events[-1][0] == "RoutedToPods"
