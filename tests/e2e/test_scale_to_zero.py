@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 import pytest
-from kube_harness import Kubectl, eventually, in_cluster
+from kube_harness import Kubectl, eventually, in_cluster, tcp_reaches
 from operator_harness import ChartOperator
 from usage_harness import MODEL, service, status, totals_match
 
@@ -59,13 +59,15 @@ def service_endpoints(kube: Kubectl) -> set[str]:
 
 
 def at_rest(kube: Kubectl) -> bool:
-    """Zero runtime pods (none even terminating), two ready activator pods, the Service on the activator and
-    its endpoints those two pods."""
+    """Zero runtime pods (none even terminating), two ready activator pods, the Service on the activator, its
+    endpoints those two pods, and its ClusterIP taking connections (kube-proxy lags the EndpointSlices: a
+    request sent before it catches up got "host unreachable")."""
     runtime = kube.json("get", "pods", "-l", RUNTIME)["items"]
     activators = [p for p in pods(kube, ACTIVATOR) if ready(p)]
     return (not runtime and len(activators) == 2
             and selector(kube) == {"serving.tally.dev/activator-for": "smollm"}
-            and service_endpoints(kube) == {p["status"]["podIP"] for p in activators})
+            and service_endpoints(kube) == {p["status"]["podIP"] for p in activators}
+            and tcp_reaches(kube.json("get", "service", "smollm")["spec"]["clusterIP"], 8000))
 
 
 def draining(kube: Kubectl) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -63,6 +64,29 @@ def in_cluster(timeout: float = 30) -> httpx.Client:
     if not _proxy:
         raise RuntimeError("the tests' cluster is not up (cluster_env() first)")
     return httpx.Client(proxy=_proxy[0], timeout=timeout)
+
+
+def tcp_reaches(host: str, port: int, timeout: float = 5) -> bool:
+    """Whether a TCP connection to an IPv4 `host:port` opens from inside the cluster, nothing sent on it: a
+    Service's ClusterIP answers only once kube-proxy has programmed its endpoints, which lags behind the
+    EndpointSlices on a loaded node (a SOCKS5 CONNECT through the relay, RFC 1928/1929)."""
+    if not _proxy:
+        raise RuntimeError("the tests' cluster is not up (cluster_env() first)")
+    proxy = httpx.URL(_proxy[0])
+    user, password = proxy.username.encode(), proxy.password.encode()
+    try:
+        with socket.create_connection((proxy.host, proxy.port or 1080), timeout=timeout) as sock:
+            sock.sendall(b"\x05\x01\x02")  # SOCKS5, one method offered: username and password
+            if sock.recv(2) != b"\x05\x02":
+                return False
+            sock.sendall(b"\x01" + bytes([len(user)]) + user + bytes([len(password)]) + password)
+            if sock.recv(2)[1:2] != b"\x00":
+                return False
+            sock.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(host) + port.to_bytes(2, "big"))
+            reply = sock.recv(10)
+            return len(reply) >= 2 and reply[1] == 0  # 0: connected; 3, 4, 5: network, host, port refused
+    except OSError:
+        return False
 
 
 def cluster_netns() -> str:
