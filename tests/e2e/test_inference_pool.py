@@ -148,10 +148,14 @@ def gateway_process(binary: Path, picker: str, proxy: str, log: Path) -> Iterato
 
 
 def picker_lines(kube: Kubectl) -> list[str]:
-    """The picker's own /metrics, its samples' lines."""
+    """The picker's own /metrics, its samples' lines (none while its ClusterIP does not take connections yet:
+    kube-proxy programs it a little after the picker turns ready, and the callers poll)."""
     ip = kube.json("get", "service", "smollm-epp")["spec"]["clusterIP"]
-    with in_cluster(10) as http:
-        text = http.get(f"http://{ip}:9090/metrics").text
+    try:
+        with in_cluster(10) as http:
+            text = http.get(f"http://{ip}:9090/metrics").text
+    except httpx.TransportError:
+        return []
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
