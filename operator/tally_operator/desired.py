@@ -282,7 +282,7 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
     pod_labels = {**activator_selector(name), c.LABEL_NAME: "tally-activator", c.LABEL_INSTANCE: name,
                   c.LABEL_COMPONENT: "activator", c.LABEL_PART_OF: "tally", c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
     # Routed through a pool: at zero the pool selects these pods, and the picker reads their gauges as a pod's
-    picked = ["--model-server-metrics", "--served-model-name", spec.model_name] if spec.pool is not None else []
+    picker_flags = ["--model-server-metrics", "--served-model-name", spec.model_name] if spec.pool is not None else []
     # Readiness is what the Service switches to at zero: probed often, but patient with a busy node (two
     # activators failing a 2 s probe at once, while a model loaded beside them, left the Service empty)
     probe = {"httpGet": {"path": "/health", "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": 2,
@@ -293,7 +293,7 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
         "args": ["activate", "--service", f"{meta['namespace']}/{name}", "--backend", backend_url(meta, settings),
                  "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
                  "--max-held", str(scaling.max_held_requests), "--hold-seconds", f"{scaling.hold_seconds:g}",
-                 *picked],
+                 *picker_flags],
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
                   {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],

@@ -207,10 +207,8 @@ class Activator:
             await self._metrics_port(scope, send)
             return
         if self.settings.picker_model is not None and scope["path"] == "/metrics" and scope["method"] == "GET":
-            body = pool_metrics.render(self.settings.picker_model, self.held, self.relaying, CacheLoad())
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", pool_metrics.CONTENT_TYPE.encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _reply(send, 200, pool_metrics.CONTENT_TYPE.encode(),
+                         pool_metrics.render(self.settings.picker_model, self.held, self.relaying, CacheLoad()))
             return
         try:
             await self._relay(scope, receive, send)
@@ -243,12 +241,9 @@ class Activator:
             body = orjson.dumps({"held": held, "lastColdStartSeconds": self.last_cold_start})
             kind = b"application/json"
         else:
-            body, kind = b'{"error":"not found"}', b"application/json"
-            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", kind)]})
-            await send({"type": "http.response.body", "body": body})
+            await _reply(send, 404, b"application/json", b'{"error":"not found"}')
             return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
-        await send({"type": "http.response.body", "body": body})
+        await _reply(send, 200, kind, body)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._body(receive)
@@ -326,6 +321,11 @@ class Activator:
             self.metrics.requests.labels("gone").inc()
             raise ClientGone
         return task.result()
+
+
+async def _reply(send: Send, status: int, kind: bytes, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", kind)]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -15,7 +15,6 @@ held and wake it, and the ledger equals what those clients were told through 0 -
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -30,7 +29,7 @@ import httpx
 import pytest
 from kube_harness import ROOT, Kubectl, eventually, in_cluster
 from operator_harness import ChartOperator
-from runtime_harness import free_port, terminate
+from runtime_harness import free_port, sse_payloads, terminate
 from usage_harness import MODEL, healthy, ledger_tenants, service, status
 
 pytestmark = pytest.mark.e2e
@@ -262,9 +261,7 @@ def billed_usage(response: httpx.Response) -> tuple[int, int]:
     if response.headers["content-type"].startswith("application/json"):
         usage = response.json()["usage"]
     else:
-        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
-                  if line.startswith("data: {")]
-        usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+        usage = next(c["usage"] for c in reversed(sse_payloads(response.content)) if c != "[DONE]" and c["usage"])
     return usage["prompt_tokens"], usage["completion_tokens"]
 
 

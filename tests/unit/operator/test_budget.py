@@ -7,6 +7,9 @@ from __future__ import annotations
 import datetime
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from tally_operator.budget import (
@@ -268,3 +271,28 @@ def test_a_pods_report_lowers_what_is_counted_only_for_the_last_message_sent_to_
     assert confirmed_lease(lease, Reading(Counters(), 2.0), LeaseReport(7, {"acme": 450})) == lease
     lowered = confirmed_lease(lease, reading, LeaseReport(7, {"acme": 450, "zeta": 80}))
     assert lowered.allowances == {"acme": 450, "zeta": 50}
+
+
+ONE_ROUND = """
+import sys
+sys.path.insert(0, {here!r})
+import test_budget as t
+pods = {{f"pod-{{i}}": t.Pod(f"pod-{{i}}", 1.0) for i in range(8)}}
+for pod in pods.values():
+    pod.serve("acme", 10, 5)  # no lease yet: refused, and asked for
+samples = {{uid: pod.sample() for uid, pod in pods.items()}}
+empty = t.ledger_from_status({{}})
+booked = t.book(empty, t.Round(samples, frozenset(), present=frozenset(pods))).ledger
+config = t.BudgetConfig("total", None, {{"acme": t.TenantBudget(monthly_tokens=10_000)}})
+print(list(t.plan(config, empty, booked, {{}}, frozenset(pods), samples).messages))
+"""
+
+
+def test_a_round_is_planned_the_same_whatever_the_hash_seed() -> None:
+    """The serving pods come as a set: the grants, and the order of their messages, must not follow its
+    iteration order, which changes with the hash seed (the simulation above once took another path so)."""
+    script = ONE_ROUND.format(here=str(Path(__file__).parent))
+    orders = {subprocess.run([sys.executable, "-c", script], env={"PYTHONHASHSEED": str(seed), "PATH": ""},
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+              for seed in range(1, 7)}
+    assert len(orders) == 1 and "pod-0" in orders.pop()
