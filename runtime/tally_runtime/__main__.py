@@ -62,9 +62,12 @@ def serve(settings: Settings) -> None:
                                 settings.body_timeout_seconds, connections)
     # Connections are capped per port by `connections` (uvicorn's own limit counts every port as one). The
     # graceful shutdown ends connections the drain could not (a client that stopped reading) in time for
-    # the pod's grace period.
+    # the pod's grace period. Idle connections stay open longer than pooled clients keep them
+    # (--keep-alive-seconds): uvicorn's 5 s equals httpx's, and the two ends closing and reusing one
+    # connection at the same moment is a reset on the client's request.
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                            access_log=False, http=protocol,
+                                           timeout_keep_alive=settings.keep_alive_seconds,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS))
     sockets = [listening_socket(settings.host, settings.port)]
     if settings.metrics_port:

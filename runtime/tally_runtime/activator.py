@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tally_runtime import pool_metrics
 from tally_runtime.engine.base import CacheLoad
+from tally_runtime.settings import KEEP_ALIVE_SECONDS
 
 log = logging.getLogger("tally_runtime.activator")
 
@@ -377,7 +378,7 @@ def main(argv: Sequence[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sockets = [_listen(settings.host, settings.port), _listen(settings.host, settings.metrics_port)]
     config = uvicorn.Config(Activator(settings), log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=5)
     log.info("Activator for %s: holding up to %d requests for %gs, forwarding to %s", settings.service,
              settings.max_held, settings.hold_seconds, settings.backend)
     uvicorn.Server(config).run(sockets=sockets)

@@ -16,6 +16,10 @@ from tally_runtime.records import FORMATS
 ENGINES = ("cpu", "sglang")
 
 
+# Longer than pooled clients keep an idle connection (httpx and the openai SDK 5 s, aiohttp 15 s, Go 90 s)
+KEEP_ALIVE_SECONDS = 120
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -34,6 +38,7 @@ class Settings:
     max_metrics_connections: int = 64
     max_unauthenticated_connections_per_client: int = 16
     body_timeout_seconds: float = 30.0
+    keep_alive_seconds: int = KEEP_ALIVE_SECONDS
     send_stall_seconds: float = 60.0
     drain_seconds: float = 300.0
     final_read_seconds: float = 0.0
@@ -100,6 +105,9 @@ _HELP: dict[str, str] = {
     "max_unauthenticated_connections_per_client": "with --api-keys-file: connections one client address may hold "
     "before a request on them authenticated; beyond, new ones get 429",
     "body_timeout_seconds": "how long a request body may take to arrive once its head has (then 408)",
+    "keep_alive_seconds": "how long an idle keep-alive connection stays open; longer than pooled clients keep "
+    "theirs (httpx and the openai SDK 5 s, aiohttp 15 s, Go 90 s), so the client closes it, never the server "
+    "while the client sends on it (a reset the client sees as a failed request)",
     "send_stall_seconds": "end a stream whose client has taken no data for this long (its usage is recorded; the "
     "engine's slots were freed when it finished generating)",
     "drain_seconds": "on SIGTERM, how long in-flight requests may finish before the process exits",
@@ -237,8 +245,10 @@ def validate(settings: Settings) -> str:
                  "max_unauthenticated_connections_per_client"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
-    if min(settings.header_timeout_seconds, settings.body_timeout_seconds, settings.send_stall_seconds) <= 0:
-        return "--header-timeout-seconds, --body-timeout-seconds and --send-stall-seconds must be positive"
+    if min(settings.header_timeout_seconds, settings.body_timeout_seconds, settings.send_stall_seconds,
+           settings.keep_alive_seconds) <= 0:
+        return ("--header-timeout-seconds, --body-timeout-seconds, --send-stall-seconds and --keep-alive-seconds "
+                "must be positive")
     if settings.max_queued_requests < 0:
         return "--max-queued-requests must be 0 (no queue) or more"
     if settings.final_read_key:

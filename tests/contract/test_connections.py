@@ -193,6 +193,27 @@ def test_only_a_gateway_key_may_name_the_tenant(tmp_path: Path, header: str) -> 
     assert metric_value(page, "tally_tenant_requests_total", {"tenant": "team-a"}) == 1
 
 
+def test_an_idle_pooled_connection_outlives_the_clients_own_keep_alive(tmp_path: Path) -> None:
+    """uvicorn closes an idle connection after 5 s, which is exactly when httpx (and so the openai SDK) stops
+    reusing one: a client that sends on it in that instant gets a reset instead of an answer (a storm of pooled
+    requests saw it). The server now keeps idle connections longer than the clients do."""
+    expiry = httpx.Limits().keepalive_expiry
+    assert expiry is not None
+    with runtime_process(tmp_path / "rt.log") as (_, url):
+        sock = connect(url)
+        for _ in range(2):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                chunk = sock.recv(65536)
+                assert chunk, f"the server closed the idle connection: {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200")
+            # Idle for longer than the client keeps it: nothing may arrive (an EOF is the server closing it)
+            assert select.select([sock], [], [], expiry + 1.5)[0] == [], "closed while a client may still reuse it"
+        sock.close()
+
+
 def test_a_drain_closes_idle_pooled_connections_and_every_later_response_closes_its_own(tmp_path: Path) -> None:
     """The review saw 5 of 5 requests get 503 on one pooled connection during a drain, and an SDK call fail
     after 3 tries with no new connection: a Service balances per connection, so a client has to be moved."""

@@ -15,6 +15,8 @@ import httpx
 import orjson
 import uvicorn
 
+from tally_runtime.settings import KEEP_ALIVE_SECONDS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,7 +44,9 @@ def serving(app: Any, health: int = 200) -> Iterator[str]:
 
     Yields once /health answers `health` (503 for an engine that is refused at start-up)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # the runtime's idle keep-alive, not uvicorn's 5 s (which equals httpx's and resets a pooled request now and then)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
