@@ -141,6 +141,7 @@ def test_pods_whose_metrics_cannot_be_read_are_not_scaled_away(
         reachable_service(kube)
         thawed = time.monotonic()
     assert not load.failures, load.failures[:3]
+    print(f"[autoscaling] connections refused while no pod was ready: {len(load.unreachable)}")
     assert all(froze <= t <= thawed for t in load.unreachable), "refused while a pod was ready"
     eventually(lambda: len(live_pods(kube)) == 1 and scaling(kube).get("desiredReplicas") == 1, 240, interval=1,
                what="back to one pod once it could see the load was gone")
