@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kube_harness import Kubectl, container_id, eventually, in_cluster, node_ctr, tcp_reaches
+from kube_harness import Kubectl, container_id, eventually, in_cluster, node_ctr, reachable_cluster_ip
 from operator_harness import ChartOperator
 from usage_harness import MODEL, ClientThreads, live_pods, service, status, totals_match
 
@@ -72,9 +72,7 @@ def not_connected(err: httpx.HTTPError) -> bool:
 
 def reachable_service(kube: Kubectl) -> str:
     """The Service's URL once its ClusterIP takes connections (kube-proxy lags the EndpointSlices)."""
-    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
-    eventually(lambda: tcp_reaches(ip, 8000), 60, interval=1, what="the Service's ClusterIP taking connections")
-    return f"http://{ip}:8000/v1/completions"
+    return f"http://{reachable_cluster_ip(kube, 'smollm', 8000)}:8000/v1/completions"
 
 
 def autoscaled(max_replicas: int, window: int = 20, panic: int = 6) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import openai
 import pytest
-from kube_harness import Kubectl, eventually, in_cluster
+from kube_harness import Kubectl, eventually, in_cluster, reachable_cluster_ip
 from operator_harness import ChartOperator
 from usage_harness import MODEL, ClientThreads, live_pods, service, serving_pods, status, totals_match
 
@@ -80,7 +80,7 @@ def test_pooled_sdk_clients_see_no_failure_through_a_rollout_and_a_scale_down(
     # The Service's endpoints follow the kubelet's readiness, a little after the pods answer /health: until
     # then kube-proxy rejects connections to the ClusterIP (host unreachable)
     eventually(lambda: ready_endpoints(kube) == 2, 60, interval=0.5, what="two ready endpoints")
-    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
+    ip = reachable_cluster_ip(kube, "smollm", 8000)
     with PooledLoad(f"http://{ip}:8000/v1") as load:
         eventually(lambda: load.served() >= 10, 120, interval=0.5, what="a steady load")
         manifest["spec"]["engine"]["env"] = [{"name": "ROLLOUT", "value": "1"}]  # a new pod template: a rollout

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_harness import ROOT, Kubectl, container_id, eventually, node_ctr
+from kube_harness import ROOT, Kubectl, container_id, eventually, node_ctr, reachable_cluster_ip
 from operator_harness import RELEASE, ChartOperator
 
 pytestmark = pytest.mark.e2e
@@ -57,7 +57,7 @@ def runtime_pods(kube: Kubectl) -> list[dict[str, Any]]:
 
 def run_client(kube: Kubectl, requests: int) -> list[dict[str, Any]]:
     """A Job of the client image streams `requests` completions through the Service; their usage, as received."""
-    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
+    ip = reachable_cluster_ip(kube, "smollm", 8000)
     job = f"client-{uuid.uuid4().hex[:6]}"
     kube("create", "job", job, f"--image=tally-client:{VERSION}", "--",
          "tally-demo-client", f"http://{ip}:8000/v1", "--requests", str(requests))

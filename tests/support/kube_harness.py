@@ -159,6 +159,15 @@ def token_kubeconfig(kubectl: Kubectl, token: str, path: Path) -> Path:
     return path
 
 
+def reachable_cluster_ip(kube: Kubectl, service: str, port: int, deadline: float = 60) -> str:
+    """`service`'s ClusterIP once a connection to `port` opens there: kube-proxy programs a Service's
+    endpoints a little after the EndpointSlices say ready, and until then rejects connections to it (a
+    client then sees "host unreachable" for a request it never sent)."""
+    ip = str(kube.json("get", "service", service)["spec"]["clusterIP"])
+    eventually(lambda: tcp_reaches(ip, port), deadline, interval=0.5, what=f"{service}'s ClusterIP taking connections")
+    return ip
+
+
 def eventually(check: Callable[[], Any], deadline: float, interval: float = 0.25, what: str = "condition") -> Any:
     """Poll `check` until it returns something truthy; fail with the last value after `deadline` seconds."""
     end = time.monotonic() + deadline
