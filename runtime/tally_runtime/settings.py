@@ -16,7 +16,8 @@ from tally_runtime.records import FORMATS
 ENGINES = ("cpu", "sglang")
 
 
-# Longer than pooled clients keep an idle connection (httpx and the openai SDK 5 s, aiohttp 15 s, Go 90 s)
+# Longer than pooled clients keep an idle connection (httpx and the openai SDK 5 s, aiohttp 15 s,
+# ingress-nginx's upstream pool 60 s, Go 90 s)
 KEEP_ALIVE_SECONDS = 120
 
 
