@@ -207,3 +207,26 @@ def test_behind_a_pool_the_pickers_scrapes_are_answered_here_and_count_what_is_h
         assert until(lambda: held(metrics) == 0, 30)
     with activator(tmp_path, free_port(), "--hold-seconds", "1") as (url, _):
         assert httpx.get(f"{url}/metrics", timeout=30).status_code == 503  # held, then timed out: not answered
+
+
+def test_behind_a_pool_a_stream_being_relayed_counts_as_running_until_it_ends(tmp_path: Path) -> None:
+    """Once a pod answers, what the activator relays is the picker's `num_running_reqs`, not its queue: one
+    stream read halfway counts 1, and 0 again once its client has gone."""
+    gauge = {"model_name": MODEL}
+    backend = free_port()
+    with runtime_on(tmp_path, backend) as _, activator(tmp_path, backend, "--model-server-metrics",
+                                                       "--served-model-name", MODEL) as (url, _metrics):
+        def gauges() -> tuple[float, float]:
+            page = httpx.get(f"{url}/metrics", timeout=5).text
+            return (metric_value(page, "sglang:num_running_reqs", gauge),
+                    metric_value(page, "sglang:num_queue_reqs", gauge))
+
+        assert gauges() == (0, 0)
+        with httpx.Client(timeout=120) as http, http.stream(
+                "POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "Count:", "max_tokens": 400,
+                                                       "ignore_eos": True, "stream": True}) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()  # kept: a dropped iterator closes the response (the client leaves)
+            assert next(chunks).startswith(b"data: ")
+            assert gauges() == (1, 0)  # mid-stream: relayed, not held
+        assert until(lambda: gauges() == (0, 0), 30), gauges()
