@@ -63,6 +63,16 @@ class Load(ClientThreads):
                         self.failures.append(f"{response.status_code}: {response.text[:200]}")
 
 
+def served_enough(load: Load, count: int, deadline: float) -> None:
+    """Wait until the load has `count` answers; on a timeout, say what its clients got instead."""
+    try:
+        eventually(lambda: load.served() > count, deadline, interval=1, what="enough requests served to count")
+    except AssertionError as err:
+        with load.lock:
+            raise AssertionError(f"{err}; served {len(load.received)}, refused {len(load.refused)}, unreachable "
+                                 f"{len(load.unreachable)}, failures {load.failures[:3]}") from None
+
+
 def not_connected(err: httpx.HTTPError) -> bool:
     """A request that never left the client: the Service's ClusterIP refused the connection (kube-proxy
     rejects connections to a Service without a ready endpoint), reported through the tests' SOCKS relay."""
@@ -96,7 +106,7 @@ def test_the_service_grows_under_load_and_shrinks_after_with_every_token_counted
         first_new = eventually(lambda: ready_pods(kube) >= 2 and time.monotonic(), 180, interval=1,
                                what="a second pod ready")
         eventually(lambda: ready_pods(kube) == 3, 240, interval=1, what="three pods ready")
-        eventually(lambda: load.served() > 10, 120, interval=1, what="enough requests served to count")
+        served_enough(load, 10, 120)
     print(f"\n[autoscaling] first new pod ready {first_new - stepped:.0f}s after the load step")
     assert not load.failures and not load.unreachable, (load.failures[:3], len(load.unreachable))
     eventually(lambda: len(live_pods(kube)) == 1 and scaling(kube).get("desiredReplicas") == 1, 240, interval=1,
