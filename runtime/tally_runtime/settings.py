@@ -61,7 +61,7 @@ class Settings:
     force_include_usage: bool = False
     model_server_metrics: bool = False  # the endpoint picker's gauges on the API port's /metrics (pool_metrics.py)
     allow_cumulative_stream: bool = False
-    cpu_threads: int = 0  # 0: all cores
+    cpu_threads: int = 0  # 0: the usable cores, bounded by the CPU limit (cpu_limit.py)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mem_fraction_static: float = 0.0  # 0: SGLang's default
@@ -143,7 +143,8 @@ _HELP: dict[str, str] = {
     "model_server_metrics": "serve the model-server protocol's gauges (sglang:num_queue_reqs and the rest, for a "
     "gateway's endpoint picker) on the API port's /metrics; needs --metrics-port, where Tally's own stay",
     "allow_cumulative_stream": "serve even if SGLang streams cumulatively (deltas are still correct)",
-    "cpu_threads": "threads per llama.cpp decode step; 0 uses every core",
+    "cpu_threads": "threads per llama.cpp decode step; 0 uses the cores the process may run on, bounded by its "
+    "cgroup's CPU limit (a pod with cpu: 500m gets 1)",
     "tensor_parallel_size": "SGLang tensor parallel size (GPUs per model replica)",
     "data_parallel_size": "SGLang data parallel size",
     "mem_fraction_static": "SGLang fraction of GPU memory for weights and KV cache; 0 keeps SGLang's default",

@@ -16,7 +16,6 @@ import asyncio
 import codecs
 import importlib.util
 import logging
-import os
 import random
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tally_runtime.cpu_limit import usable_threads
 from tally_runtime.engine.base import (
     CacheLoad,
     Delta,
@@ -69,7 +69,8 @@ class LlamaCppEngine:
         self.model_path = model_path
         self.context_length = context_length
         self.slots = slots
-        self.threads = threads or max(1, os.cpu_count() or 1)
+        # 0: as many as the process can keep busy, its cores bounded by its cgroup's CPU limit (cpu_limit.py)
+        self.threads, self.cpu_limit = (threads, None) if threads else usable_threads()
         self._pool: list[Any] = []
         self._free: asyncio.Queue[Any] = asyncio.Queue()
         self._busy: dict[int, Any] = {}  # id -> a context a generation holds now
@@ -89,6 +90,8 @@ class LlamaCppEngine:
     # ---- lifecycle
 
     async def start(self) -> EngineInfo:
+        log.info("llama.cpp decodes with %d thread(s)%s", self.threads,
+                 f" (CPU limit {self.cpu_limit:g})" if self.cpu_limit is not None else "")
         await asyncio.to_thread(self._load)
         for llama in self._pool:
             self._free.put_nowait(llama)
