@@ -87,9 +87,11 @@ def _bases(mount: Path, own: str | None) -> list[Path]:
     return bases
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path, limit: int = 64 << 10) -> str | None:
+    """A small kernel file's text (at most `limit` bytes: what is past it is not read), or None."""
     try:
-        return path.read_text()
+        with path.open("rb") as file:
+            return file.read(limit).decode("utf-8", "replace")
     except OSError:
         return None
 

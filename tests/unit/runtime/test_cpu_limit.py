@@ -4,6 +4,9 @@ path in /proc/self/cgroup), what a process on a host sees, and cgroup v2."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,24 @@ def test_the_engine_takes_the_limit_unless_told(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr("tally_runtime.engine.llamacpp.usable_threads", lambda: (1, 0.5))
     assert LlamaCppEngine(Path("m.gguf"), 512, 1).threads == 1
     assert LlamaCppEngine(Path("m.gguf"), 512, 1, threads=3).threads == 3
+
+
+def test_a_process_under_a_real_quota_takes_the_limits_whole_cpus() -> None:
+    """The kernel's own files: a child placed in a cgroup with a 0.5-CPU quota (benchmarks/cpu_limit.py makes
+    it, as a pod's limit does) reads 0.5 and takes one thread."""
+    spec = importlib.util.spec_from_file_location("bench_cpu_limit",
+                                                  Path(__file__).parents[3] / "benchmarks" / "cpu_limit.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    try:
+        group = bench.make_cgroup(0.5)
+    except OSError as err:
+        pytest.skip(f"no writable cgroup cpu controller here: {err}")
+    try:
+        done = subprocess.run(["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$1" -c "$2"', str(group),
+                               sys.executable, "from tally_runtime.cpu_limit import usable_threads; "
+                               "print(usable_threads())"], capture_output=True, text=True, timeout=60)
+    finally:
+        group.rmdir()
+    assert done.stdout.strip() == "(1, 0.5)", done.stderr
