@@ -29,13 +29,16 @@ serve: install  ## the runtime alone on 127.0.0.1:8000 with the embedded CPU mod
 	$(VENV)/bin/tally-runtime serve
 
 run: export TALLY_WITH_PROMETHEUS = 0
-run: install bins images  ## the main job: cluster with a real node, chart, operator pods, example service, a completion
+run: export TALLY_IMAGE_SET = demo
+run:  ## the main job: cluster with a real node, chart, operator pods, example service, a completion
+	hack/setup.sh
 	hack/demo.sh up
 
 sglang-env: install  ## real SGLang 0.5.23 in its own cached venv, and an HF checkpoint of the model
 	hack/sglang/env.sh
 
-test: install bins images sglang-env  ## everything CI runs
+test:  ## everything CI runs
+	hack/setup.sh --sglang
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest

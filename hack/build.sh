@@ -42,7 +42,8 @@ key() { # key <component> <files...>: the files, the component's build function(
 log() { echo "[build] $*" >&2; }
 
 # fresh <dir> <binary> <expected version substring> [version command]
-fresh() { [[ -x $1/$2 ]] && "$1/$2" "${4:---version}" 2>/dev/null | grep -qF -- "$3"; }
+# (the output is captured, not piped: under pipefail a `grep -q` that stops reading early fails the pipe)
+fresh() { local out; [[ -x $1/$2 ]] && out=$("$1/$2" "${4:---version}" 2>/dev/null) && [[ $out == *"$3"* ]]; }
 
 build_into() { # build_into <final dir> <command...>; builds in a temp dir, then renames
   local final=$1; shift
@@ -148,8 +149,12 @@ for d in "$ETCD_DIR" "$K8S_DIR" "$KWOK_DIR" "$HELM_DIR" "$CTRD_DIR" "$DNS_DIR" "
 done
 rm -rf "$LINK"; mv -T "$tmp" "$LINK"
 
-# Keep only the newest two builds per component.
+# Keep only the newest two builds per component. A component may have none (Prometheus under `make run`):
+# the glob is expanded by the shell (nullglob), never by an `ls` whose failure pipefail would make fatal.
+shopt -s nullglob
 for c in kube etcd kwok helm containerd coredns prometheus; do
-  ls -dt "$BIN/$c"-* 2>/dev/null | tail -n +3 | xargs -r rm -rf
+  builds=("$BIN/$c"-*)
+  ((${#builds[@]} > 2)) || continue
+  ls -dt "${builds[@]}" | tail -n +3 | xargs -r rm -rf
 done
 echo "$LINK"

@@ -2,7 +2,12 @@
 # Build the images the real node runs, from the repository's Dockerfiles, without a registry or Docker:
 #
 #   hack/images.sh           build (or reuse) them; print the directory of image archives
+#   hack/images.sh --base    only the Debian base and the pause image (needs no Python environment: `make run`
+#                            builds them beside the pip install)
 #   hack/images.sh --print   print that directory without building
+#
+# TALLY_IMAGE_SET=demo builds what `make run` uses (pause, runtime, operator, client); the default, all, adds the
+# tests' runtime-fakes and the endpoint picker (only a service routed through an InferencePool runs it).
 #
 # - base: a Debian bookworm root filesystem made by mmdebstrap (python3, venv, libgomp1), imported with buildah; it is
 #   the Dockerfiles' BASE here (users build FROM the public python image, the Dockerfiles' default).
@@ -30,6 +35,8 @@ BASE_PACKAGES=python3,python3-venv,ca-certificates,libgomp1
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -n 1)
 
 if [[ ${1:-} == --print ]]; then echo "$CURRENT"; exit 0; fi
+SET=${TALLY_IMAGE_SET:-all}
+[[ $SET == demo || $SET == all ]] || { echo "TALLY_IMAGE_SET is demo or all, not $SET" >&2; exit 2; }
 
 log() { echo "[images] $*" >&2; }
 mkdir -p "$OUT"
@@ -70,6 +77,7 @@ build_pause() { # $1: archive
 build_python_image() { # <image name> <Dockerfile> <extras> <archive>
   set -- "$4" "$1" "$2" "$3"
   local ctx=$OUT/tmp/$2 start=$SECONDS
+  [[ -x $PY ]] || { log "no $PY: run make install first"; exit 1; }
   rm -rf "$ctx"; mkdir -p "$ctx"
   (cd "$ROOT" && git ls-files -z pyproject.toml README.md runtime operator | xargs -0 cp --parents -t "$ctx")
   # Every wheel the image installs, so that the build neither compiles nor reaches an index.
@@ -83,6 +91,7 @@ build_python_image() { # <image name> <Dockerfile> <extras> <archive>
 
 build_client() { # <archive>
   local ctx=$OUT/tmp/client
+  [[ -x $PY ]] || { log "no $PY: run make install first"; exit 1; }
   rm -rf "$ctx"; mkdir -p "$ctx"
   cp "$HACK/client/Dockerfile" "$HACK/client/demo_client.py" "$ctx/"
   "$PY" -m pip wheel --quiet --wheel-dir "$ctx/wheels" "openai>=1.50"
@@ -123,43 +132,62 @@ build_epp() { # $1: archive
 
 ready() { [[ -s $1 ]]; }
 
+BASE=$OUT/base-$SUITE-$(echo "$MIRROR $BASE_PACKAGES" | sha256sum | cut -c1-12).done
+base_key=$(basename "$BASE" .done)
+built_any=0
+
+need_base() { # the Debian base, built only when an image FROM it is about to be (a warm run never asks buildah)
+  # The base lives in buildah's storage; the marker is only trusted when the image is still there.
+  "${BUILDAH[@]}" inspect --type image "localhost/tally-base:$SUITE" >/dev/null 2>&1 || rm -f "$BASE"
+  [[ -e $BASE ]] || { rm -f "$OUT"/base-*.done; build_base "$BASE.tmp"; mv "$BASE.tmp" "$BASE"; }
+}
+
 built() { # built <archive> <builder> <args...>: build into a temporary name, then rename
   local archive=$1; shift
   ready "$archive" && return
+  [[ $1 == build_pause || $1 == build_epp ]] || need_base
   rm -f "$archive.tmp"
   "$@" "$archive.tmp"
   mv -f "$archive.tmp" "$archive"
+  built_any=1
 }
-
-BASE=$OUT/base-$SUITE-$(echo "$MIRROR $BASE_PACKAGES" | sha256sum | cut -c1-12).done
-# The base lives in buildah's storage; the marker is only trusted when the image is still there.
-"${BUILDAH[@]}" inspect --type image "localhost/tally-base:$SUITE" >/dev/null 2>&1 || rm -f "$BASE"
-[[ -e $BASE ]] || { rm -f "$OUT"/base-*.done; build_base "$BASE.tmp"; mv "$BASE.tmp" "$BASE"; }
-base_key=$(basename "$BASE" .done)
 
 PAUSE=$OUT/pause-$(hash_of "$HACK/pause/main.go").tar
 RUNTIME=$OUT/runtime-$VERSION-$( (sources_hash runtime/Dockerfile; echo "$base_key") | hash_of -).tar
 OPERATOR=$OUT/operator-$VERSION-$( (sources_hash operator/Dockerfile; echo "$base_key") | hash_of -).tar
 CLIENT=$OUT/client-$VERSION-$( (cat "$HACK"/client/*; echo "$base_key") | hash_of -).tar
 FAKES=$OUT/fakes-$VERSION-$( (cd "$ROOT" && git ls-files -z tests/fakes | xargs -0 cat; basename "$RUNTIME") | hash_of -).tar
+EPP=$OUT/epp-$EPP_VERSION-$(echo "$EPP_MODULE@$EPP_VERSION" | hash_of -).tar
+
 built "$PAUSE" build_pause
-[[ -x $PY ]] || { log "no $PY: run make install first"; exit 1; }
+if [[ ${1:-} == --base ]]; then need_base; exit 0; fi
 built "$RUNTIME" build_python_image tally-runtime runtime/Dockerfile runtime,cpu
 built "$OPERATOR" build_python_image tally-operator operator/Dockerfile operator
 built "$CLIENT" build_client
-built "$FAKES" build_fakes
-EPP=$OUT/epp-$EPP_VERSION-$(echo "$EPP_MODULE@$EPP_VERSION" | hash_of -).tar
-built "$EPP" build_epp
+if [[ $SET == all ]]; then
+  built "$FAKES" build_fakes
+  built "$EPP" build_epp
+fi
 
+# The set the node imports: every image of this set, and the others of the same sources when they were built before
 tmp=$(mktemp -d "$OUT/.current.XXXXXX")
-ln -s "$PAUSE" "$tmp/pause.tar"; ln -s "$RUNTIME" "$tmp/runtime.tar"; ln -s "$OPERATOR" "$tmp/operator.tar"
-ln -s "$CLIENT" "$tmp/client.tar"; ln -s "$FAKES" "$tmp/fakes.tar"; ln -s "$EPP" "$tmp/epp.tar"
+for pair in pause:"$PAUSE" runtime:"$RUNTIME" operator:"$OPERATOR" client:"$CLIENT" fakes:"$FAKES" epp:"$EPP"; do
+  ! ready "${pair#*:}" || ln -s "${pair#*:}" "$tmp/${pair%%:*}.tar"
+done
 echo localhost/tally-pause:1 > "$tmp/pause.name"
 rm -rf "$CURRENT"; mv -T "$tmp" "$CURRENT"
-# Keep the two newest archives of each image; drop buildah's copies (the archives are what the node imports).
-for c in pause runtime operator client fakes epp; do ls -t "$OUT/$c"-*.tar 2>/dev/null | tail -n +3 | xargs -r rm -f; done
-for image in tally-{runtime,runtime-fakes,operator,client}:"$VERSION" localhost/tally-pause:1; do
-  "${BUILDAH[@]}" rmi "$image" >/dev/null 2>&1 || true
+# Keep the two newest archives of each image (the glob expanded by the shell: an image of the other set may have
+# none, and a failing `ls` would end the script under pipefail).
+shopt -s nullglob
+for c in pause runtime operator client fakes epp; do
+  archives=("$OUT/$c"-*.tar)
+  ((${#archives[@]} > 2)) || continue
+  ls -t "${archives[@]}" | tail -n +3 | xargs -r rm -f
 done
-"${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true  # the build stages' untagged images
+if ((built_any)); then  # drop buildah's copies (the archives are what the node imports)
+  for image in tally-{runtime,runtime-fakes,operator,client}:"$VERSION" localhost/tally-pause:1; do
+    "${BUILDAH[@]}" rmi "$image" >/dev/null 2>&1 || true
+  done
+  "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1 || true  # the build stages' untagged images
+fi
 echo "$CURRENT"
