@@ -333,7 +333,9 @@ up() {
 
 down_processes() {
   local name pid
-  [[ ! -d $DIR/node ]] || "$HACK/node.sh" down
+  # Always: the node's processes and cgroups are found by the namespace's name too, so a second `down` after the
+  # cluster's directory is gone still removes what the first one could not
+  "$HACK/node.sh" down
   for name in coredns kwok kube-scheduler kube-controller-manager pod-relay api-relay kube-apiserver etcd; do
     [[ -f $RUN/$name.pid ]] || continue
     if ! pid=$(live_pid "$RUN/$name.pid"); then

@@ -256,11 +256,27 @@ down() {
     done
   done
   rm -f "$HOLDER_PID"
-  local d
   [[ ! -f $NODE/created-dirs ]] || xargs -r rmdir < "$NODE/created-dirs" 2>/dev/null || true
-  for d in $(cgroup_dirs); do
-    [[ -d $d ]] || continue
-    find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  remove_cgroups
+}
+
+remove_cgroups() { # the node's cgroup trees, deepest first. A cgroup cannot go while a process is in it (a shim
+  # or a container exiting a moment late): what is still there is killed and the removal tried again until
+  # nothing is left, for at most 30 s. By name alone, so it works also when the cluster's directory is gone.
+  local deadline=$((SECONDS + 30)) d pid left
+  while :; do
+    left=""
+    for d in $(cgroup_dirs); do
+      [[ -d $d ]] || continue
+      for pid in $(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null); do
+        [[ $pid == "$$" ]] || kill -KILL "$pid" 2>/dev/null || true
+      done
+      find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+      [[ ! -d $d ]] || left+=" $d"
+    done
+    [[ -n $left ]] || return 0
+    ((SECONDS < deadline)) || { log "ERROR: cgroups still hold processes after 30s:$left"; return 1; }
+    sleep 0.2
   done
 }
 

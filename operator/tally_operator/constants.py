@@ -12,7 +12,6 @@ LABEL_SERVICE = f"{GROUP}/completionservice"  # the immutable selector label
 LABEL_ACTIVATOR = f"{GROUP}/activator-for"  # the activator pods of a service that scales to zero
 ACTIVATOR_SUFFIX = "-activator"  # its Deployment: <name>-activator
 BACKEND_SUFFIX = "-pods"  # the Service of the runtime pods alone, which the activator forwards to
-MAX_NAME_WITH_ACTIVATOR = 63 - len(BACKEND_SUFFIX)  # <name>-pods is a Service name: a DNS label
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"

@@ -67,6 +67,7 @@ def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettin
                   c.LABEL_PART_OF: "tally", c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
     selector = {c.LABEL_INSTANCE: name, c.LABEL_COMPONENT: "endpoint-picker"}
     health = {"grpc": {"port": c.PICKER_HEALTH_PORT, "service": "inference-extension"}}
+    pull_secrets = settings.picker_image_pull_secrets or settings.runtime_image_pull_secrets
     container: Obj = {
         "name": "epp",
         "image": settings.picker_image,
@@ -80,7 +81,7 @@ def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettin
                   {"name": "metrics", "containerPort": c.PICKER_METRICS_PORT}],
         "env": [{"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
+        "resources": dict(settings.picker_resources),
         "readinessProbe": {**health, "periodSeconds": 2},
         "livenessProbe": {**health, "initialDelaySeconds": 5, "periodSeconds": 10},
         "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
@@ -94,11 +95,13 @@ def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettin
                      "name": settings.picker_cluster_role},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(meta, name, "endpoint-picker"),
-         "spec": {"replicas": 1, "selector": {"matchLabels": selector},
+         "spec": {"replicas": settings.picker_replicas, "selector": {"matchLabels": selector},
                   "template": {"metadata": {"labels": pod_labels},
                                "spec": {"serviceAccountName": name, "containers": [container],
                                         "securityContext": {"runAsNonRoot": True,
                                                             "seccompProfile": {"type": "RuntimeDefault"}},
+                                        **({"imagePullSecrets": [{"name": n} for n in pull_secrets]}
+                                           if pull_secrets else {}),
                                         "terminationGracePeriodSeconds": 130}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(meta, name, "endpoint-picker"),
          "spec": {"type": "ClusterIP", "selector": selector,

@@ -69,7 +69,7 @@ from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import Call, post_all, scrape
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
-from tally_operator.spec import Spec, SpecError, parse_spec
+from tally_operator.spec import Spec, SpecError, check_name, parse_spec
 from tally_operator.status import (
     invalid_verdicts,
     is_ready,
@@ -171,6 +171,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     try:
         spec = parse_spec(body.spec)
         check_policy(spec, ctx.settings)
+        check_name(meta["name"], spec)
     except SpecError as error:
         await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(error), fields)))
         return
@@ -181,11 +182,6 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     scaling = spec.autoscaling
     if scaling is not None:  # the operator owns the count: the Deployment's (spec.replicas is not it)
         spec = replace(spec, replicas=await decided_replicas(ctx, meta, scaling))
-        if scaling.scales_to_zero and len(meta["name"]) > c.MAX_NAME_WITH_ACTIVATOR:
-            too_long = SpecError("InvalidSpec", f"Scale to zero needs a name of at most {c.MAX_NAME_WITH_ACTIVATOR} "
-                                                f"characters (its Service <name>{c.BACKEND_SUFFIX} is a DNS label)")
-            await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(too_long), fields)))
-            return
         if scaling.scales_to_zero and spec.replicas == 0:  # a held request starts a pod at once
             held = await held_now(ctx, meta)
             if held.requests:

@@ -7,9 +7,11 @@ image, ask for nvidia.com/gpu or amd.com/gpu and tolerate that resource's taint,
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,11 @@ class OperatorSettings:
     # its ServiceAccount is bound to in the service's namespace (the chart creates it: read pods and pools)
     picker_image: str = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
     picker_cluster_role: str = "tally-operator-epp"
+    picker_replicas: int = 1
+    # its container's resources (JSON in the variable: the chart's inferencePool.pickerResources)
+    picker_resources: Mapping[str, Any] = field(default_factory=lambda: {
+        "requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}})
+    picker_image_pull_secrets: tuple[str, ...] = ()  # empty: runtime_image_pull_secrets
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -62,11 +69,23 @@ class OperatorSettings:
                     kind = type(getattr(cls(), f.name))
                     if kind is tuple:
                         values[f.name] = tuple(item.strip() for item in env[key].split(",") if item.strip())
+                    elif kind is dict:
+                        values[f.name] = _object(env[key])
                     else:
                         values[f.name] = _boolean(env[key]) if kind is bool else kind(env[key])
                 except ValueError as err:
                     raise ValueError(f"{key}: {err}") from None
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def _boolean(text: str) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tally_operator import constants as c
 from tally_operator.autoscale import KV_CACHE, METRICS, SGLANG_QUEUE, Autoscaling
 from tally_operator.budget import BudgetConfig, TenantBudget
 from tally_runtime.contract import OWNED_ENGINE_ARGS, engine_args_pattern
@@ -220,6 +221,22 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
 
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_name(name: str, spec: Spec) -> None:
+    """The service's name leaves room for the longest child name it makes where a DNS label (63 characters) is
+    required: the scale-to-zero backend Service `<name>-pods`, the picker's Service and pod label `<name>-epp`
+    (the CRD holds the same rule). A name the API server refuses on one child would stop every pass there."""
+    children = [name]
+    if spec.autoscaling is not None and spec.autoscaling.scales_to_zero:
+        children.append(name + c.BACKEND_SUFFIX)
+    if spec.pool is not None and not spec.pool.picker:
+        children.append(name + c.PICKER_SUFFIX)
+    longest = max(children, key=len)
+    if len(longest) > 63:
+        raise SpecError("NameTooLong", f"The name makes the child name {longest!r}, {len(longest)} characters; "
+                                       f"names are DNS labels of at most 63: shorten the service's name to "
+                                       f"{63 - (len(longest) - len(name))} characters")
 
 
 def parse_pool(raw: Mapping[str, Any] | None) -> PoolConfig | None:

@@ -145,3 +145,37 @@ def test_a_client_pod_streams_from_the_endpoint_the_status_prints(operator: Char
                what="the client job, by name")
     assert '"completion"' in kube("logs", "job/by-name")
     assert "MissingClusterDNS" not in kube("get", "events", "-o", "jsonpath={.items[*].reason}")
+
+
+def test_down_finds_and_removes_the_nodes_cgroups_when_the_clusters_directory_is_gone(tmp_path: Path) -> None:
+    """A cgroup tree the kubelet left (`<hierarchy>/tally-<id>/kubepods/...`) with a process still in it, and no
+    cluster directory any more (a first `down` removed it): `cluster.sh down` must kill what is in the tree,
+    remove it deepest first, and leave `leftovers.sh` nothing to report."""
+    import hashlib
+
+    gone = tmp_path / "cluster"  # never created: the state is gone
+    netns = "tally-" + hashlib.sha256(f"{gone}\n".encode()).hexdigest()[:8]  # as cluster.sh names it
+    hierarchies = [h for h in ("pids", "memory", "cpu") if (Path("/sys/fs/cgroup") / h / "cgroup.procs").exists()]
+    assert hierarchies, "cgroup v1 hierarchies"
+    straggler = subprocess.Popen(["sleep", "300"])
+    try:
+        for hierarchy in hierarchies:
+            deepest = Path("/sys/fs/cgroup") / hierarchy / netns / "kubepods" / "burstable" / "pod-left"
+            deepest.mkdir(parents=True)
+            (deepest / "cgroup.procs").write_text(str(straggler.pid))
+
+        down = subprocess.run([str(HACK / "cluster.sh"), "down"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TALLY_CLUSTER_DIR": str(gone)})
+
+        assert down.returncode == 0, down.stderr
+        assert straggler.wait(timeout=10) == -9  # killed by down, as a shim left in the tree would be
+        assert not [h for h in hierarchies if (Path("/sys/fs/cgroup") / h / netns).exists()]
+        left = subprocess.run([str(HACK / "leftovers.sh"), str(gone)], capture_output=True, text=True, timeout=60)
+        assert left.returncode == 0, left.stderr
+    finally:
+        straggler.kill()
+        straggler.wait()
+        for hierarchy in hierarchies:
+            root = Path("/sys/fs/cgroup") / hierarchy / netns
+            if root.exists():
+                subprocess.run(["find", str(root), "-depth", "-type", "d", "-exec", "rmdir", "{}", "+"], check=False)

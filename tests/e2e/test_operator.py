@@ -50,16 +50,49 @@ def test_the_chart_works_as_a_subchart_and_refuses_uncoordinated_replicas(kubect
     """Inside an umbrella chart (which may set globals), and never several operators without peering."""
     umbrella = tmp_path / "platform"
     (umbrella / "charts").mkdir(parents=True)
-    (umbrella / "Chart.yaml").write_text("apiVersion: v2\nname: platform\nversion: 0.1.0\n")
+    # the dependency switched by a condition, as umbrella charts do; pull secrets and labels shared
+    (umbrella / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: platform\nversion: 0.1.0\ndependencies:\n"
+        "  - {name: tally-operator, version: '*', condition: tally-operator.enabled}\n")
     (umbrella / "values.yaml").write_text("global:\n  imageRegistry: registry.example\n"
-                                          "tally-operator:\n  replicaCount: 2\n")
+                                          "  imagePullSecrets: [platform-pull, {name: other-pull}]\n"
+                                          "tally-operator:\n  enabled: true\n  replicaCount: 2\n"
+                                          "  imagePullSecrets: [{name: own-pull}]\n"
+                                          "  commonLabels: {team: platform}\n")
     shutil.copytree(CHART, umbrella / "charts" / "tally-operator")
     nested = subprocess.run(["helm", "template", "p", str(umbrella)], env=kubectl.env, capture_output=True, text=True)
     assert nested.returncode == 0, nested.stderr
     assert "replicas: 2" in nested.stdout
+    objects = [o for o in yaml.safe_load_all(nested.stdout) if o]
+    assert objects and all(o["metadata"]["labels"]["team"] == "platform" for o in objects)
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [
+        {"name": "own-pull"}, {"name": "platform-pull"}, {"name": "other-pull"}]
+    assert "team" not in deployment["spec"]["selector"]["matchLabels"]  # selectors never change
+    off = subprocess.run(["helm", "template", "p", str(umbrella), "--set", "tally-operator.enabled=false"],
+                         env=kubectl.env, capture_output=True, text=True)
+    assert off.returncode == 0 and "kind: Deployment" not in off.stdout, off.stderr
     alone = subprocess.run(["helm", "template", "t", str(CHART), "--set", "replicaCount=2", "--set",
                             "peering.enabled=false"], env=kubectl.env, capture_output=True, text=True)
     assert alone.returncode != 0 and "needs peering.enabled" in alone.stderr
+
+
+@pytest.mark.parametrize(("name_length", "spec", "refused_over"), [
+    pytest.param(59, {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, 58, id="scale to zero: <name>-pods"),
+    pytest.param(60, {"routing": {"inferencePool": {}}}, 59, id="routed, the operator's picker: <name>-epp"),
+])
+def test_the_api_server_refuses_a_name_its_children_cannot_carry(
+        operator: ChartOperator, kube: Kubectl, name_length: int, spec: dict[str, Any], refused_over: int) -> None:
+    def dry_run(length: int) -> subprocess.CompletedProcess[str]:
+        manifest = example(**spec)
+        manifest["metadata"]["name"] = "s" * length
+        return subprocess.run(["kubectl", "-n", str(kube.namespace), "apply", "--dry-run=server", "-f", "-"],
+                              input=json.dumps(manifest), env=kube.env, capture_output=True, text=True, timeout=60)
+
+    refused = dry_run(name_length)
+    assert refused.returncode != 0 and f"at most {refused_over} characters" in refused.stderr, refused.stderr
+    fits = dry_run(refused_over)
+    assert fits.returncode == 0, fits.stderr
 
 
 def test_namespace_users_get_completion_services_through_the_standard_roles(

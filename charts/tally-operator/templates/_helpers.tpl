@@ -32,6 +32,23 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: tally
 helm.sh/chart: {{ include "tally-operator.chart" . }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The operator pods' pull secrets: imagePullSecrets and an umbrella chart's global.imagePullSecrets (names or
+{name: ...}), each once. */}}
+{{- define "tally-operator.imagePullSecrets" -}}
+{{- $names := list -}}
+{{- range concat (.Values.imagePullSecrets | default list) ((.Values.global | default dict).imagePullSecrets | default list) -}}
+{{- $name := "" -}}
+{{- if kindIs "string" . }}{{ $name = . }}{{ else if kindIs "map" . }}{{ $name = .name | default "" }}{{ end -}}
+{{- if and $name (not (has $name $names)) }}{{ $names = append $names $name }}{{ end -}}
+{{- end -}}
+{{- range $names }}
+- name: {{ . }}
+{{- end -}}
 {{- end -}}
 
 {{- define "tally-operator.serviceAccountName" -}}

@@ -16,6 +16,18 @@ def test_chart_crd_is_the_canonical_crd() -> None:
     assert (CHART / "files" / "crds" / canonical.name).read_bytes() == canonical.read_bytes()
 
 
+def test_the_readmes_registry_commands_name_the_charts_own_version() -> None:
+    """`helm package` names the archive by the chart's version (not the images' appVersion)."""
+    import re
+
+    import yaml
+
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    readme = (ROOT / "README.md").read_text()
+    assert set(re.findall(r"tally-operator-([0-9][^ ]*)\.tgz", readme)) == {version}
+    assert set(re.findall(r"charts/tally-operator --version ([^ ]+)", readme)) == {version}
+
+
 def test_values_docs_schema_and_readme_are_generated_from_the_values_comments() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "hack" / "chart_docs.py"), "--check"], capture_output=True,
                           text=True, timeout=60)

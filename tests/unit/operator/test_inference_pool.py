@@ -52,6 +52,24 @@ def test_the_picker_is_bound_to_the_charts_cluster_role_only_and_runs_in_pool_mo
     assert all(o["metadata"]["labels"][c.LABEL_MANAGED_BY] == c.FIELD_MANAGER for o in objects.values())
 
 
+def test_the_pickers_replicas_resources_and_pull_secrets_come_from_the_charts_values() -> None:
+    settings = OperatorSettings.from_env({
+        "TALLY_OPERATOR_PICKER_REPLICAS": "2",
+        "TALLY_OPERATOR_PICKER_RESOURCES": '{"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}',
+        "TALLY_OPERATOR_RUNTIME_IMAGE_PULL_SECRETS": "regcred"})
+    deployment = next(o for o in desired_picker(META, parse_spec(ROUTED), settings) if o["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 2
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]  # the runtime pods' secrets, by default
+    own = OperatorSettings.from_env({"TALLY_OPERATOR_RUNTIME_IMAGE_PULL_SECRETS": "regcred",
+                                     "TALLY_OPERATOR_PICKER_IMAGE_PULL_SECRETS": "picker-cred"})
+    deployment = next(o for o in desired_picker(META, parse_spec(ROUTED), own) if o["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "picker-cred"}]
+    with pytest.raises(ValueError, match="TALLY_OPERATOR_PICKER_RESOURCES"):
+        OperatorSettings.from_env({"TALLY_OPERATOR_PICKER_RESOURCES": "[1]"})
+
+
 def test_a_named_picker_is_used_as_it_is() -> None:
     spec = parse_spec({**BASE, "routing": {"inferencePool": {"endpointPicker": {"name": "shared-epp", "port": 9100},
                                                              "failureMode": "FailOpen"}}})
