@@ -31,6 +31,9 @@ ENGINE_TYPE_LABELS = ("inference.networking.k8s.io/engine-type", "llm-d.ai/engin
 INFERENCE_POOL_READY = "InferencePoolReady"  # condition type
 
 RUNTIME_PORT = 8000
+# Every container the operator makes of the runtime image runs this, by its absolute path: never what a PATH
+# (which a spec's environment could set) or a volume would find first under the bare name
+RUNTIME_COMMAND = "/opt/tally/bin/tally-runtime"
 RUNTIME_PORT_NAME = "http"
 # /metrics and the final-read handshake, apart from the API: only the operator needs them
 RUNTIME_METRICS_PORT = 8001

@@ -139,6 +139,7 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
     return {
         "name": c.CONTAINER_NAME,
         "image": spec.image or settings.runtime_image,
+        "command": [c.RUNTIME_COMMAND],
         "args": runtime_args(spec, meta),
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
                   {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
@@ -170,6 +171,31 @@ def _tolerations(spec: Spec) -> list[Obj]:
     return extra
 
 
+FILE_MODE = 0o444  # model files are read, never run
+
+
+def models_volume(source: Mapping[str, Any]) -> Obj:
+    """The spec's model volume, its files never executable: a source that sets file modes (a ConfigMap, or one a
+    platform allowed) gets read-only, non-executable ones, whatever the spec asked (a 0755 ConfigMap put an
+    executable of the author's on the model path)."""
+    volume: Obj = {"name": "models"}
+    for kind, value in source.items():
+        if kind == "name":
+            continue
+        if isinstance(value, Mapping) and kind in ("configMap", "secret", "projected", "downwardAPI"):
+            value = {**value, "defaultMode": FILE_MODE}
+            if isinstance(value.get("items"), list):
+                value["items"] = [{**item, "mode": FILE_MODE} if isinstance(item, Mapping) else item
+                                  for item in value["items"]]
+            if isinstance(value.get("sources"), list):  # projected: each source's items
+                value["sources"] = [{k: ({**v, "items": [{**i, "mode": FILE_MODE} for i in v["items"]]}
+                                         if isinstance(v, Mapping) and isinstance(v.get("items"), list) else v)
+                                     for k, v in src.items()} if isinstance(src, Mapping) else src
+                                    for src in value["sources"]]
+        volume[kind] = value
+    return volume
+
+
 def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj:
     volumes: list[Obj] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory}},
@@ -177,7 +203,7 @@ def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -
         {"name": "ledger", "emptyDir": {"sizeLimit": "16Mi"}},
     ]
     if spec.model_volume:
-        volumes.append({"name": "models", **{k: v for k, v in spec.model_volume.items() if k != "name"}})
+        volumes.append(models_volume(spec.model_volume))
     if spec.records_url and spec.records_token_secret:
         volumes.append({"name": "delivery", "secret": {"secretName": spec.records_token_secret, "defaultMode": 0o400,
                                                        "items": [{"key": spec.records_token_key, "path": "token"}]}})
@@ -272,6 +298,16 @@ def desired_backend_service(meta: Mapping[str, Any], spec: Spec) -> Obj | None:
     return service
 
 
+ACTIVATOR_BODY_BYTES = 4 << 20  # the largest request body an activator takes (413 beyond)
+ACTIVATOR_BASE_MIB = 128  # the process without requests (measured: about 50 MiB) and room
+
+
+def activator_memory_mib(max_held: int) -> int:
+    """The activator's memory limit: it has at most `max_held` requests in hand, each with a body of at most
+    ACTIVATOR_BODY_BYTES, counted twice (its chunks and their join), so no client can take it past this."""
+    return ACTIVATOR_BASE_MIB + max_held * 2 * (ACTIVATOR_BODY_BYTES >> 20)
+
+
 def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj | None:
     """With scale to zero: the activator Deployment (`tally-runtime activate`, the operator's runtime image:
     it runs no model, needs no GPU, no API keys and no API access)."""
@@ -290,14 +326,16 @@ def desired_activator(meta: Mapping[str, Any], spec: Spec, settings: OperatorSet
     container: Obj = {
         "name": "activator",
         "image": settings.runtime_image,
+        "command": [c.RUNTIME_COMMAND],
         "args": ["activate", "--service", f"{meta['namespace']}/{name}", "--backend", backend_url(meta, settings),
                  "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
                  "--max-held", str(scaling.max_held_requests), "--hold-seconds", f"{scaling.hold_seconds:g}",
-                 *picker_flags],
+                 "--max-body-bytes", str(ACTIVATOR_BODY_BYTES), *picker_flags],
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
                   {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
-        "resources": {"requests": {"cpu": "50m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
+        "resources": {"requests": {"cpu": "50m", "memory": "96Mi"},
+                      "limits": {"memory": f"{activator_memory_mib(scaling.max_held_requests)}Mi"}},
         "readinessProbe": probe,
         "livenessProbe": {**probe, "periodSeconds": 10},
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "allowPrivilegeEscalation": False,
@@ -347,21 +385,18 @@ def desired_network_policy(meta: Mapping[str, Any], settings: OperatorSettings) 
     client, or to the pods of the service's namespace only with `network_policy_api_same_namespace`."""
     if not settings.network_policy:
         return None
-    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.namespace}},
-                "podSelector": {"matchLabels": {c.LABEL_INSTANCE: settings.instance}}}
-    metrics_from: list[Obj] = [operator]
-    if settings.monitoring_namespace:
-        metrics_from.append({"namespaceSelector": {"matchLabels": {
-            "kubernetes.io/metadata.name": settings.monitoring_namespace}}})
+    metrics_from, api_from = network_policy_sources(settings)
     api: Obj = {"ports": [{"port": c.RUNTIME_PORT, "protocol": "TCP"}]}
-    if settings.network_policy_api_same_namespace:
-        api = {"from": [{"podSelector": {}}], **api}
+    if api_from is not None:
+        api = {"from": [api_from], **api}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _metadata(meta),
         "spec": {
-            "podSelector": {"matchLabels": selector_labels(meta["name"])},
+            # The runtime pods and, with scale to zero, the activator's: it relays to the pods, so a client it
+            # admitted would reach them past this policy
+            "podSelector": {"matchLabels": policed_labels(meta["name"])},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": metrics_from, "ports": [{"port": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}]},
@@ -369,3 +404,20 @@ def desired_network_policy(meta: Mapping[str, Any], settings: OperatorSettings) 
             ],
         },
     }
+
+
+def policed_labels(name: str) -> dict[str, str]:
+    """What the runtime pods and the activator's pods of a service share, and no other pod the operator makes."""
+    return {c.LABEL_INSTANCE: name, c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+
+
+def network_policy_sources(settings: OperatorSettings) -> tuple[list[Obj], Obj | None]:
+    """Who may reach a metrics port (this operator's pods, the monitoring namespace), and, with
+    `network_policy_api_same_namespace`, who may reach an API port (None: every client)."""
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.namespace}},
+                "podSelector": {"matchLabels": {c.LABEL_INSTANCE: settings.instance}}}
+    metrics_from: list[Obj] = [operator]
+    if settings.monitoring_namespace:
+        metrics_from.append({"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": settings.monitoring_namespace}}})
+    return metrics_from, ({"podSelector": {}} if settings.network_policy_api_same_namespace else None)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tally_operator import constants as c
-from tally_operator.desired import activator_selector, labels, owner_reference, selector_labels
+from tally_operator.desired import activator_selector, labels, network_policy_sources, owner_reference, selector_labels
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec
 
@@ -103,6 +103,7 @@ def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettin
                                         **({"imagePullSecrets": [{"name": n} for n in pull_secrets]}
                                            if pull_secrets else {}),
                                         "terminationGracePeriodSeconds": 130}}}},
+        *picker_network_policy(meta, name, selector, settings),
         {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(meta, name, "endpoint-picker"),
          "spec": {"type": "ClusterIP", "selector": selector,
                   "ports": [{"name": "grpc-ext-proc", "port": c.PICKER_GRPC_PORT, "targetPort": "grpc",
@@ -111,3 +112,20 @@ def desired_picker(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettin
                              "protocol": "TCP"}]}},
     ]
 
+
+def picker_network_policy(meta: Mapping[str, Any], name: str, selector: Mapping[str, str],
+                          settings: OperatorSettings) -> list[Obj]:
+    """With the operator's `network_policy`: the picker's ext_proc and health ports to the clients the service's
+    API port admits (a gateway), its metrics to this operator and the monitoring namespace, nothing else."""
+    if not settings.network_policy:
+        return []
+    metrics_from, api_from = network_policy_sources(settings)
+    serving: Obj = {"ports": [{"port": c.PICKER_GRPC_PORT, "protocol": "TCP"},
+                              {"port": c.PICKER_HEALTH_PORT, "protocol": "TCP"}]}
+    if api_from is not None:
+        serving = {"from": [api_from], **serving}
+    return [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": _metadata(meta, name, "endpoint-picker"),
+             "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"],
+                      "ingress": [{"from": metrics_from, "ports": [{"port": c.PICKER_METRICS_PORT, "protocol": "TCP"}]},
+                                  serving]}}]

@@ -3,8 +3,9 @@
 Creating a CompletionService should grant its author no more than running a service: no host files, no
 Secrets, no images the platform did not approve, no scheduling privileges. The defaults allow a PVC,
 ConfigMap or emptyDir volume for the model, the operator's own runtime image, an allowed GPU resource and a
-toleration of its taint; the chart's `policy` values widen them (and feed the same lists to the chart's
-ValidatingAdmissionPolicy, which refuses such a spec before it reaches etcd). Refusals are `SpecError`s
+toleration of its taint, and engine-tuning environment variables that cannot load code; the chart's `policy`
+values widen them (and feed the same lists to the chart's ValidatingAdmissionPolicy, which refuses such a spec
+before it reaches etcd). Refusals are `SpecError`s
 with a `Forbidden...` reason: the status says Ready=False and why.
 """
 
@@ -37,6 +38,12 @@ def check_policy(spec: Spec, settings: OperatorSettings) -> None:
             raise SpecError("ForbiddenToleration", f"spec.scheduling.tolerations may not tolerate "
                                                    f"{key or 'every taint'!r}; allowed keys: "
                                                    f"{', '.join(sorted(allowed_keys))}")
+    for env in spec.env:
+        name = str(env.get("name") or "")
+        if not image_allowed(name, settings.allowed_env_names):
+            raise SpecError("ForbiddenEnv", f"spec.engine.env may not set {name!r}: allowed are "
+                                            f"{', '.join(settings.allowed_env_names) or 'none'} (the chart's "
+                                            "policy.allowedEnvNames); others could make the runtime load code")
     for field, value, allowed in (("priorityClassName", spec.priority_class_name, settings.allowed_priority_classes),
                                   ("runtimeClassName", spec.runtime_class_name, settings.allowed_runtime_classes)):
         if value and value not in allowed:
@@ -46,5 +53,5 @@ def check_policy(spec: Spec, settings: OperatorSettings) -> None:
 
 
 def image_allowed(image: str, allowed: Iterable[str]) -> bool:
-    """Exact references, or prefixes written with a trailing '*'."""
+    """Exact references (or names), or prefixes written with a trailing '*'."""
     return any(image == entry or (entry.endswith("*") and image.startswith(entry[:-1])) for entry in allowed)

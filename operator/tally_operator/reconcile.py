@@ -555,7 +555,7 @@ def apply_child(ctx: Context, meta: Mapping[str, str], api_version: str, kind: s
 
 
 PICKER_KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("apps/v1", "Deployment"),
-                ("v1", "Service"))
+                ("networking.k8s.io/v1", "NetworkPolicy"), ("v1", "Service"))
 
 
 def apply_pool(ctx: Context, meta: Mapping[str, str], spec: Spec, to_activator: bool = False) -> None:
@@ -569,6 +569,8 @@ def apply_pool(ctx: Context, meta: Mapping[str, str], spec: Spec, to_activator: 
     # A picker without its pool's kind would only fail: it waits for the CRD as the pool does
     wanted = {(o["apiVersion"], o["kind"]): o for o in desired_picker(meta, spec, ctx.settings)} if served else {}
     for api_version, kind in PICKER_KINDS:
+        if kind == "NetworkPolicy" and not ctx.settings.network_policy:
+            continue  # never managed here: nothing to look for (and no RBAC to look with)
         apply_child(ctx, meta, api_version, kind, meta["name"] + c.PICKER_SUFFIX, wanted.get((api_version, kind)))
 
 

@@ -13,6 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+ALLOWED_ENV_NAMES = (
+    "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE",
+    "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+    "HF_HUB_DISABLE_TELEMETRY", "TZ",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class OperatorSettings:
@@ -35,6 +43,9 @@ class OperatorSettings:
     allowed_images: tuple[str, ...] = ()  # beyond runtime_image; an entry ending in '*' is a prefix
     allowed_toleration_keys: tuple[str, ...] = ()  # beyond the GPU resource's own taint
     allowed_priority_classes: tuple[str, ...] = ()
+    # spec.engine.env names: engine tuning that cannot make the process load code (an entry ending in '*' is a
+    # prefix). PATH, OPENSSL_CONF, CC, TRITON_CACHE_DIR and their kind are doors to the author's own code
+    allowed_env_names: tuple[str, ...] = ALLOWED_ENV_NAMES
     allowed_runtime_classes: tuple[str, ...] = ()
     # A NetworkPolicy per service: its metrics port open to this operator's pods only (namespace and
     # instance label below) and to `monitoring_namespace`; its API port to every client unless

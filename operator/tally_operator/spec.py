@@ -138,7 +138,7 @@ def parse_spec(raw: Mapping[str, Any]) -> Spec:
 FORBIDDEN_ENV_PREFIXES = ("TALLY_", "PYTHON", "LD_")
 # Names the operator sets itself (a repeat would win: the last of a name counts), e.g. POD_NAME names the
 # CloudEvents source of every usage record
-RESERVED_ENV = frozenset({"POD_NAME", "HOME", "XDG_CACHE_HOME"})
+RESERVED_ENV = frozenset({"POD_NAME", "HOME", "XDG_CACHE_HOME", "PATH"})
 # A Secret opts in to holding a service's API keys by its name; any other Secret of the namespace stays out of
 # reach of whoever may create a CompletionService (no Secret is read by the operator to check a label)
 KEYS_SECRET_PREFIX = "tally-api-keys"
@@ -200,9 +200,9 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
     if scaling.min_replicas < 0:
         raise SpecError("InvalidSpec", "spec.autoscaling.minReplicas must not be negative")
     if not (0 <= scaling.scale_to_zero_grace_seconds <= MAX_GRACE_SECONDS and 1 <= scaling.hold_seconds <= 3600
-            and 1 <= scaling.max_held_requests <= 10_000 and 1 <= scaling.activator_replicas <= 5):
+            and 1 <= scaling.max_held_requests <= MAX_HELD_REQUESTS and 1 <= scaling.activator_replicas <= 5):
         raise SpecError("InvalidSpec", "spec.autoscaling.scaleToZero: graceSeconds 0 to 86400, holdSeconds 1 to "
-                                       "3600, maxHeldRequests 1 to 10000, activatorReplicas 1 to 5")
+                                       f"3600, maxHeldRequests 1 to {MAX_HELD_REQUESTS}, activatorReplicas 1 to 5")
     if scaling.max_replicas < scaling.min_replicas:
         raise SpecError("InvalidSpec", "spec.autoscaling.maxReplicas must be at least minReplicas")
     if scaling.metric not in METRICS or not MIN_TARGET <= scaling.target <= MAX_TARGET:
@@ -220,6 +220,9 @@ def parse_autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
     return scaling
 
 
+# Each request an activator has in hand holds its body (at most 4 MiB) in the activator's memory, which the
+# operator sizes from this count (desired.activator_memory_mib): 256 of them is a 2.2 GiB limit
+MAX_HELD_REQUESTS = 256
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 

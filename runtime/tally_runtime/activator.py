@@ -7,10 +7,14 @@ response, later. The operator long-polls `/held` on the metrics port, so a held 
 once, not at the next scrape.
 
 What it never does: bill (the pod counts what it generates; a request that times out here never reached a
-model), read API keys (the pod authenticates the forwarded request), or hold without bounds (queue length,
-held time, body size; a refusal is the OpenAI 503 envelope with `Retry-After`). Every request, held or not,
-is forwarded once a pod answers, so a client whose connection lands here after a pod is ready is only
-relayed (the Service points back at the pods within seconds).
+model), read API keys (the pod authenticates the forwarded request), or hold without bounds. It faces every
+client unauthenticated, so it has the runtime's connection bounds (http_limits.py: a head within 10 s and
+64 KiB, a body within 30 s, connections per port and per client address) and a slot per request, taken before
+its body is read and kept until the pod's response head arrives: at most `max_held` bodies (each at most
+`max_body_bytes`) are in memory at once, whatever clients send, and the operator sizes the pod's memory from
+that product. A refusal is the OpenAI 503 envelope with `Retry-After`. Every request, held or not, is forwarded
+once a pod answers, and every forwarded response closes its connection (`Connection: close`): a pooled client
+then reconnects through the Service, which by then points at the pods, instead of staying here.
 
 Behind an InferencePool (`--model-server-metrics`) the operator switches the pool to these pods too, and the
 endpoint picker scrapes `/metrics` on the API port many times a second: that is answered here with the
@@ -22,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tally_runtime import pool_metrics
 from tally_runtime.engine.base import CacheLoad
+from tally_runtime.http_limits import Connections, bounded_protocol
 from tally_runtime.settings import KEEP_ALIVE_SECONDS
 
 log = logging.getLogger("tally_runtime.activator")
@@ -64,11 +70,17 @@ class ActivatorSettings:
     port: int = 8000
     metrics_port: int = 8001
     host: str = "::"
-    max_held: int = 64  # requests held at once; more get 503
+    max_held: int = 64  # requests in hand at once (their bodies being read, held, or being forwarded); more get 503
     hold_seconds: float = 300.0  # how long a request waits for a ready pod before its 503
     max_body_bytes: int = 4 << 20
     probe_seconds: float = 0.25  # between probes of the backend while something is held
     picker_model: str | None = None  # behind an InferencePool: the model named by the picker's gauges
+    max_connections: int = 1024  # on the API port (the metrics port holds METRICS_CONNECTIONS of its own)
+    max_connections_per_client: int = 64  # one client address's share of them
+
+
+METRICS_CONNECTIONS = 16  # the kubelet's probes and the operator's long-poll
+HEAD_SECONDS, BODY_SECONDS, MAX_HEAD_BYTES = 10.0, 30.0, 64 << 10  # as the runtime's defaults
 
 
 class Refusal(Exception):
@@ -124,6 +136,7 @@ class Activator:
         self._opening = asyncio.Semaphore(FORWARDS_OPENING)
         self._held_changed = asyncio.Event()
         self.relaying = 0  # requests sent on to a pod whose responses are not over yet
+        self.in_hand = 0  # requests whose body is being read, held, or sent on until the pod's response head
 
     # ---- the queue
 
@@ -134,13 +147,24 @@ class Activator:
     def pod_fresh(self) -> bool:
         return self.clock() - self.ready_at < FRESH_SECONDS
 
-    async def hold(self) -> None:
-        """Wait, in arrival order, until a probe finds a pod; Refusal when full or when held too long."""
-        if self.held >= self.settings.max_held:
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """One of `max_held` places for a request in hand, taken before its body is read (Refusal when none is
+        free: nothing is read), given back once the pod's response head arrived or the request ended."""
+        if self.in_hand >= self.settings.max_held:
             self.metrics.requests.labels("overflow").inc()
-            raise Refusal(503, f"{self.settings.service} is starting from zero and already holds "
-                               f"{self.settings.max_held} requests; retry later", "service_starting",
+            raise Refusal(503, f"{self.settings.service} is starting from zero and already has "
+                               f"{self.settings.max_held} requests in hand; retry later", "service_starting",
                           retry_after=max(1, int(self.settings.hold_seconds // 10)))
+        self.in_hand += 1
+        try:
+            yield
+        finally:
+            self.in_hand -= 1
+
+    async def hold(self) -> None:
+        """Wait, in arrival order, until a probe finds a pod; Refusal when held too long (the request's slot
+        bounds how many wait)."""
         ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting.append(ticket)
         self._changed()
@@ -247,41 +271,60 @@ class Activator:
         await _reply(send, 200, kind, body)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._body(receive)
-        held_at = None
-        if not self.pod_fresh():
-            held_at = self.clock()
-            await self._while_connected(self.hold(), receive)
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP_BY_HOP]
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
         url = self.settings.backend + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
-        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         self.relaying += 1
         try:
-            await self._forward(request, held_at, receive, send)
+            with self.slot():
+                self._check_length(scope)
+                body = await self._body(receive)
+                held_at = None
+                if not self.pod_fresh():
+                    held_at = self.clock()
+                    await self._while_connected(self.hold(), receive)
+                request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+                del body
+                response = await self._open(request, held_at, receive)
+            await self._forward(response, receive, send)
         finally:
             self.relaying -= 1
 
-    async def _forward(self, request: httpx.Request, held_at: float | None, receive: Receive, send: Send) -> None:
+    async def _open(self, request: httpx.Request, held_at: float | None, receive: Receive) -> httpx.Response:
+        """The pod's response head (its body still to come)."""
         try:
             response = await self._while_connected(self._send(request), receive)
         except httpx.HTTPError as err:
             self.metrics.requests.labels("upstream_error").inc()
             raise Refusal(503, f"The pod of {self.settings.service} could not be reached ({type(err).__name__}); "
                                "retry", "service_starting", retry_after=1) from None
+        if held_at is not None:
+            self.last_cold_start = self.clock() - held_at
+            self.metrics.cold_start.observe(self.last_cold_start)
+            self.metrics.last_cold_start.set(self.last_cold_start)
+        self.metrics.requests.labels("forwarded" if held_at is not None else "relayed").inc()
+        return response
+
+    async def _forward(self, response: httpx.Response, receive: Receive, send: Send) -> None:
+        """The pod's response, streamed back unchanged but for one header: the connection closes after it, so a
+        pooled client's next request opens a new one through the Service, which points at the pods by now."""
         try:
-            if held_at is not None:
-                self.last_cold_start = self.clock() - held_at
-                self.metrics.cold_start.observe(self.last_cold_start)
-                self.metrics.last_cold_start.set(self.last_cold_start)
-            self.metrics.requests.labels("forwarded" if held_at is not None else "relayed").inc()
+            headers = [(k, v) for k, v in response.headers.raw
+                       if k.decode("latin-1").lower() not in HOP_BY_HOP - {"content-length"}]
             await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw
-                                    if k.decode("latin-1").lower() not in HOP_BY_HOP - {"content-length"}]})
+                        "headers": [*headers, (b"connection", b"close")]})
             await self._while_connected(self._stream(response, send), receive)
         finally:
             await response.aclose()
+
+    def _check_length(self, scope: Scope) -> None:
+        """A body its Content-Length says is too large is refused before a byte of it is read."""
+        for name, value in scope["headers"]:
+            if name.lower() == b"content-length" and value.isdigit() and int(value) > self.settings.max_body_bytes:
+                self.metrics.requests.labels("too_large").inc()
+                raise Refusal(413, f"The request body is larger than {self.settings.max_body_bytes} bytes",
+                              "request_too_large")
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
         async with self._opening:
@@ -294,18 +337,21 @@ class Activator:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _body(self, receive: Receive) -> bytes:
-        body = bytearray()
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise ClientGone
-            body += message.get("body", b"")
-            if len(body) > self.settings.max_body_bytes:
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
                 self.metrics.requests.labels("too_large").inc()
                 raise Refusal(413, f"The request body is larger than {self.settings.max_body_bytes} bytes",
                               "request_too_large")
+            chunks.append(chunk)
             if not message.get("more_body"):
-                return bytes(body)
+                return b"".join(chunks)
 
     async def _while_connected(self, work: Awaitable[T], receive: Receive) -> T:
         """Run `work` until it ends or the client disconnects (then it is cancelled: a held request leaves
@@ -360,15 +406,22 @@ def parse_args(argv: Sequence[str]) -> ActivatorSettings:
     parser.add_argument("--model-server-metrics", action="store_true",
                         help="behind an InferencePool: answer the endpoint picker's /metrics on the API port")
     parser.add_argument("--served-model-name", default="", help="the model the picker's gauges name")
+    parser.add_argument("--max-connections", type=int, default=1024, help="connections the API port holds")
+    parser.add_argument("--max-connections-per-client", type=int, default=64,
+                        help="connections one client address may hold on the API port")
     args = parser.parse_args(list(argv))
-    if args.max_held < 1 or not 0 < args.hold_seconds <= 3600 or args.max_body_bytes < 1:
-        parser.error("--max-held, --hold-seconds (at most 3600) and --max-body-bytes must be positive")
+    if min(args.max_held, args.max_body_bytes, args.max_connections, args.max_connections_per_client) < 1 \
+            or not 0 < args.hold_seconds <= 3600:
+        parser.error("--max-held, --hold-seconds (at most 3600), --max-body-bytes and the connection bounds must be "
+                     "positive")
     if not args.backend.startswith(("http://", "https://")):
         parser.error("--backend must be an http(s) URL")
     return ActivatorSettings(service=args.service, backend=args.backend.rstrip("/"), port=args.port,
                              metrics_port=args.metrics_port, host=args.host, max_held=args.max_held,
                              hold_seconds=args.hold_seconds, max_body_bytes=args.max_body_bytes,
-                             picker_model=args.served_model_name if args.model_server_metrics else None)
+                             picker_model=args.served_model_name if args.model_server_metrics else None,
+                             max_connections=args.max_connections,
+                             max_connections_per_client=args.max_connections_per_client)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -377,7 +430,13 @@ def main(argv: Sequence[str]) -> None:
     settings = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sockets = [_listen(settings.host, settings.port), _listen(settings.host, settings.metrics_port)]
-    config = uvicorn.Config(Activator(settings), log_level="warning", access_log=False, lifespan="on",
+    # The runtime's bounds on what reaches the app: heads and bodies in time and size, connections per port and
+    # per client address (never authenticated here, so the per-address bound holds for a connection's life)
+    connections = Connections({settings.port: settings.max_connections, settings.metrics_port: METRICS_CONNECTIONS},
+                              settings.max_connections, settings.max_connections_per_client,
+                              authenticated_ports=frozenset({settings.port}))
+    protocol = bounded_protocol(MAX_HEAD_BYTES, HEAD_SECONDS, BODY_SECONDS, connections)
+    config = uvicorn.Config(Activator(settings), log_level="warning", access_log=False, lifespan="on", http=protocol,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=5)
     log.info("Activator for %s: holding up to %d requests for %gs, forwarding to %s", settings.service,
              settings.max_held, settings.hold_seconds, settings.backend)

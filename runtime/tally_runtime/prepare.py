@@ -102,6 +102,7 @@ class Preparer:
         self.force_include_usage = force_include_usage
         # One thread: tokenizers are not all safe to share between threads, and this is only for large inputs.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.controls = engine.control_tokens()
 
     async def completion(self, req: CompletionRequest) -> Job:
         self._check_common(req)
@@ -115,7 +116,8 @@ class Preparer:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         for ids in prompts:
             self._check_context(len(ids), max_tokens, "prompt")
-        return self._job(COMPLETIONS, req, prompts, texts, max_tokens, req.logprobs, req.echo, self._constraint(req))
+        constraint = await self._constraint(req)
+        return self._job(COMPLETIONS, req, prompts, texts, max_tokens, req.logprobs, req.echo, constraint)
 
     async def chat(self, req: ChatCompletionRequest) -> Job:
         self._check_common(req)
@@ -129,15 +131,17 @@ class Preparer:
                                 f"{self.info.context_length} tokens", param="messages", code="context_length_exceeded")
         messages = [message_dict(m) for m in req.messages]
         shown = [t.model_dump(exclude_none=True) for t in req.tools] if tools is not None and req.tools else None
-        self._check_markup(req, shown)
-        text, ids = await self._off_loop(sum(len(m["content"]) for m in messages), self._chat_prompt,
-                                         (messages, shown))
+        markup = markup_texts(req, shown)
+        size = sum(len(m["content"]) for m in messages) + sum(len(text) for _, text in markup)
+        text, ids = await self._off_loop(size, self._chat_prompt, (messages, shown, markup))
         limit = req.token_limit()
         max_tokens = limit if limit is not None else self.info.context_length - len(ids)
         self._check_context(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        constraint = self._constraint(req) if tools is None else \
-            self._check_schema(tools.schema) if tools.schema is not None else None
+        if tools is None:
+            constraint = await self._constraint(req)
+        else:
+            constraint = None if tools.schema is None else await self._check_schema(req, tools.schema, "tools")
         return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False, constraint, tools)
 
     async def _off_loop(self, size: int, work: Callable[[Any], T], argument: Any) -> T:
@@ -145,12 +149,13 @@ class Preparer:
             return work(argument)
         return await asyncio.get_running_loop().run_in_executor(self.worker, work, argument)
 
-    def _chat_prompt(self, given: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+    def _chat_prompt(self, given: tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[tuple[str, str]]]
                      ) -> tuple[str, tuple[int, ...]]:
         """The rendered prompt and its ids: the template's own text with special tokens parsed, each
         message's content as plain text. The template already wrote any special tokens it wants (a BOS,
         say): none are added again, as Hugging Face's apply_chat_template(tokenize=True) does not."""
-        messages, tools = given
+        messages, tools, markup = given
+        self._check_markup(markup)
         try:
             segments = chat_segments(lambda marked: self.engine.render_chat(marked, tools), messages)
         except Exception as err:
@@ -183,8 +188,8 @@ class Preparer:
             more = f" and {len(unknown) - MAX_LOGGED_FIELDS} more" if len(unknown) > MAX_LOGGED_FIELDS else ""
             log.info("Ignoring unsupported request fields %s%s", shown, more)
 
-    def _constraint(self, req: SamplingRequest) -> str | None:
-        """The JSON schema `response_format` asks for, compiled by the engine's own grammar backend here, so
+    async def _constraint(self, req: SamplingRequest) -> str | None:
+        """The JSON schema `response_format` asks for, checked by the engine's own grammar backend here, so
         a schema it cannot compile is a 400 before anything is admitted or billed."""
         if req.response_format is None:
             return None
@@ -195,30 +200,31 @@ class Preparer:
                            code="invalid_value") from None
         if schema is None:
             return None
-        for name, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
-            if value:  # the grammar ends the output where the JSON ends: it cannot also be made to go on
-                raise ApiError(400, f"{name} cannot be combined with a JSON response_format", param=name)
-        return self._check_schema(schema, "response_format")
+        return await self._check_schema(req, schema, "response_format")
 
-    def _check_schema(self, schema: str, param: str = "tools") -> str:
+    async def _check_schema(self, req: SamplingRequest, schema: str, param: str) -> str:
+        """A constrained output (response_format, or a tool call): refused with the sampling that would force it
+        on past where the grammar ends it, then compiled by the engine's grammar backend (grammar.py)."""
+        for name, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
+            if value:  # once the JSON is complete the grammar allows only its end: llama.cpp aborted the process
+                raise ApiError(400, f"{name} cannot be combined with a constrained output ({param}): the grammar "
+                                    "ends the output where the JSON ends", param=name)
         try:
-            self.engine.check_json_schema(schema)
+            await self.engine.check_json_schema(schema)
         except ValueError as err:
             raise ApiError(400, f"The {param} schema cannot be used: {str(err)[:300]}", param=param,
                            code="invalid_value") from None
         return schema
 
-    def _check_markup(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> None:
+    def _check_markup(self, texts: list[tuple[str, str]]) -> None:
         """Tool definitions and the arguments of earlier calls reach the template as they are (it may print
         them as JSON): one that spells a control token of the model (`<|im_start|>`, say) is refused, so no
-        client text becomes a role or control token (message content is kept apart: chat_segments)."""
-        texts = [(f"messages.{i}.tool_calls", call.function.arguments)
-                 for i, m in enumerate(req.messages) for call in m.tool_calls or ()]
-        if tools:
-            texts.append(("tools", orjson.dumps(tools).decode()))
+        client text becomes a role or control token (message content is kept apart: chat_segments). A text
+        holds one exactly when it contains one's spelling: a search, not two tokenizations of every text
+        (which held the event loop 16-32 s for 7 MB of tools)."""
+        controls = self.controls
         for param, text in texts:
-            plain = self.engine.tokenize(text, add_special_tokens=False, parse_special=False)
-            if plain != self.engine.tokenize(text, add_special_tokens=False, parse_special=True):
+            if any(control in text for control in controls):
                 raise ApiError(400, "The text spells a control token of the model", param=param)
 
     def _check_generations(self, generations: int) -> None:
@@ -282,6 +288,16 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def markup_texts(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
+    """Client text that reaches the chat template outside message content, with the parameter that carries it:
+    earlier calls' arguments and the tool definitions the template is shown."""
+    texts = [(f"messages.{i}.tool_calls", call.function.arguments)
+             for i, m in enumerate(req.messages) for call in m.tool_calls or ()]
+    if tools:
+        texts.append(("tools", orjson.dumps(tools).decode()))
+    return texts
 
 
 def prompt_items(prompt: Any) -> list[str | list[int]]:

@@ -52,8 +52,11 @@ class FastEngine:
     def tool_parser(self, tools: list[dict[str, Any]]) -> None:
         """No parser of a model family's calls."""
 
-    def check_json_schema(self, schema: str) -> None:
+    async def check_json_schema(self, schema: str) -> None:
         """Any schema is accepted: this engine generates what its script says."""
+
+    def control_tokens(self) -> frozenset[str]:
+        return frozenset()
 
     def abort(self, request_id: str) -> None:
         if request_id in self.running:

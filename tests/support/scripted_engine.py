@@ -70,8 +70,11 @@ class ScriptedEngine:
     def tool_parser(self, tools: list[dict[str, Any]]) -> None:
         """No parser of a model family's calls."""
 
-    def check_json_schema(self, schema: str) -> None:
+    async def check_json_schema(self, schema: str) -> None:
         """Any schema is accepted: this engine generates what its script says."""
+
+    def control_tokens(self) -> frozenset[str]:
+        return frozenset()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         index = int(request.request_id.split(".")[1])

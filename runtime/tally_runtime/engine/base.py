@@ -245,6 +245,11 @@ class Engine(Protocol):
 
     def detokenize(self, ids: Sequence[int]) -> str: ...
 
+    def control_tokens(self) -> frozenset[str]:
+        """The texts `tokenize` reads as control tokens only with `parse_special`: client text outside message
+        content that spells one would become one (prepare.py refuses it). Known once the engine has started."""
+        ...
+
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for a chat conversation, with the model's template and generation prompt (and the
         tools offered, for a template that shows them)."""
@@ -255,9 +260,10 @@ class Engine(Protocol):
         engine has none, and `tool_choice: auto` is refused): text -> (text around the calls, [(name, args)])."""
         ...
 
-    def check_json_schema(self, schema: str) -> None:
-        """Raise ValueError, saying why, if the engine's grammar backend cannot constrain output to `schema`
-        (JSON text). Called before a request is admitted; the engine compiles it again when it generates."""
+    async def check_json_schema(self, schema: str) -> None:
+        """Raise ValueError, saying why, if the engine's grammar backend cannot (or may not: grammar.py's bounds)
+        constrain output to `schema` (JSON text). Called before a request is admitted, never on the event loop's
+        time or in the serving process's memory; the engine compiles it again when it generates."""
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta] | ItemStream:

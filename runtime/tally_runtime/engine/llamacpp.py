@@ -41,6 +41,7 @@ from tally_runtime.engine.base import (
     TokenLogprob,
 )
 from tally_runtime.engine.stops import StopMatcher
+from tally_runtime.grammar import GrammarWorker
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 log = logging.getLogger("tally_runtime.engine.llamacpp")
@@ -78,9 +79,11 @@ class LlamaCppEngine:
         self._eog: frozenset[int] = frozenset()
         self._health = Health(False, "engine is starting")
         self._template: Any = None
+        self._controls: frozenset[str] = frozenset()
         self._running: dict[threading.Thread, threading.Event] = {}  # generation thread -> its cancel flag
         self._cancels: dict[str, threading.Event] = {}  # request id -> its cancel flag, while it runs
         self._stopping = False
+        self._grammar = GrammarWorker("llama.cpp", str(model_path))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LlamaCppEngine:
@@ -113,6 +116,11 @@ class LlamaCppEngine:
         first = self._pool[0]
         vocab = first._model.vocab
         self._eog = frozenset(t for t in range(first.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        # llama.cpp parses control (and unknown) tokens out of text only with special=True (user-defined ones always)
+        parsed_if_special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        self._controls = frozenset(
+            text for t in range(first.n_vocab()) if llama_cpp.llama_vocab_get_attr(vocab, t) & parsed_if_special
+            and (text := bytes(llama_cpp.llama_vocab_get_text(vocab, t)).decode("utf-8", errors="replace")))
         template = first.metadata.get("tokenizer.chat_template")
         if template:
             eos = first.detokenize([first.token_eos()], special=True).decode()
@@ -139,6 +147,7 @@ class LlamaCppEngine:
         for llama in self._pool:
             llama.close()
         self._pool.clear()
+        await self._grammar.close()
 
     @property
     def running_generations(self) -> int:
@@ -167,6 +176,9 @@ class LlamaCppEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(self._pool[0].detokenize(list(ids))).decode("utf-8", errors="replace")
 
+    def control_tokens(self) -> frozenset[str]:
+        return self._controls
+
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -175,15 +187,10 @@ class LlamaCppEngine:
     def tool_parser(self, tools: list[dict[str, Any]]) -> Callable[[str], tuple[str, list[tuple[str, str]]]] | None:
         return None  # llama.cpp has no parser of a model family's calls here: required or named calls only
 
-    def check_json_schema(self, schema: str) -> None:
-        """llama.cpp's own converter to a GBNF grammar, and its grammar parser over this model's vocabulary."""
-        from llama_cpp import llama_cpp
-
-        grammar = _gbnf(schema)
-        sampler = llama_cpp.llama_sampler_init_grammar(self._pool[0]._model.vocab, grammar.encode(), b"root")
-        if not sampler:
-            raise ValueError("llama.cpp could not parse the grammar it made of the schema")
-        llama_cpp.llama_sampler_free(sampler)
+    async def check_json_schema(self, schema: str) -> None:
+        """llama.cpp's own converter to a GBNF grammar, and its grammar parser over this model's vocabulary, in
+        a process of their own (grammar.py): a schema that crashes the parser kills that process, not this one."""
+        await self._grammar.check(schema)
 
     # ---- generation
 
@@ -259,10 +266,10 @@ class LlamaCppEngine:
         generated = [0]
         hook = self._logits_hook(params, step, generated)
         grammar = None
-        if params.json_schema is not None:  # checked at admission (check_json_schema): it converts
+        if params.json_schema is not None:  # the grammar compiler took this schema at admission (grammar.py)
             from llama_cpp.llama_grammar import LlamaGrammar
 
-            grammar = LlamaGrammar.from_string(_gbnf(params.json_schema), verbose=False)
+            grammar = LlamaGrammar.from_string(gbnf(params.json_schema), verbose=False)
         tokens = llama.generate(
             prompt, top_k=max(params.top_k, 0), top_p=params.top_p, min_p=0.0, typical_p=1.0,
             temp=params.temperature, repeat_penalty=params.repetition_penalty,
@@ -346,7 +353,7 @@ _LOOSE_CHAR = r'char ::= [^"\\] |'
 _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 
 
-def _gbnf(schema: str) -> str:
+def gbnf(schema: str) -> str:
     """The GBNF grammar llama.cpp's converter makes of a JSON schema (ValueError: it cannot), with JSON's
     string characters: no raw control characters."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf

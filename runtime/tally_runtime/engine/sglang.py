@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -35,12 +35,12 @@ from tally_runtime.engine.base import (
 )
 from tally_runtime.engine.sglang_metrics import engine_gauges, sglang_metrics, sglang_series
 from tally_runtime.engine.sglang_stream import ChoiceStream, StreamModeViolation, StreamShape
+from tally_runtime.grammar import GrammarWorker
 
 log = logging.getLogger("tally_runtime.engine.sglang")
 
 PROBE_TOKENS = 8
 LOAD_SECONDS = 0.5  # SGLang's gauges are read from its files at most this often (cache_load)
-XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+: ")  # "[22:46:54] /project/cpp/json_schema_converter.cc:4175: "
 PROBE_TIMEOUT_SECONDS = 120.0
 
 
@@ -136,6 +136,7 @@ class SGLangEngine:
         self._abort_wanted: set[str] = set()  # aborts asked for; re-sent once SGLang knows the request
         self.generation: compat.Generation | None = None
         self._load: tuple[float, CacheLoad] = (-1e9, CacheLoad())
+        self._grammar: GrammarWorker | None = None  # made at the first schema, for the backend SGLang runs
 
     # ---- lifecycle
 
@@ -215,6 +216,8 @@ class SGLangEngine:
         self._health = Health(False, "engine stopped")
         if self._engine is not None:
             self._engine.shutdown()
+        if self._grammar is not None:
+            await self._grammar.close()
 
     def health(self) -> Health:
         return self._health
@@ -250,6 +253,12 @@ class SGLangEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 
+    def control_tokens(self) -> frozenset[str]:
+        """The special tokens `split_special_tokens` keeps as text (every other added token is parsed either way)."""
+        added = getattr(self._tokenizer, "added_tokens_decoder", None) or {}
+        special = {str(t.content) for t in added.values() if getattr(t, "special", False)}
+        return frozenset(special | {str(t) for t in getattr(self._tokenizer, "all_special_tokens", ())})
+
     def _piece(self, token: int) -> str:
         return self.detokenize([token])
 
@@ -282,22 +291,18 @@ class SGLangEngine:
 
         return parse
 
-    def check_json_schema(self, schema: str) -> None:
-        """What SGLang's scheduler would do with it, done before admission: xgrammar (its default grammar
-        backend) compiles the schema; another backend compiles it when the request runs."""
-        backend = getattr(getattr(self._engine, "server_args", None), "grammar_backend", "xgrammar")
-        if backend == "none":
-            raise ValueError("this server's SGLang runs without a grammar backend (--grammar-backend none)")
-        if backend not in (None, "xgrammar"):
-            return
-        try:
-            xgrammar = importlib.import_module("xgrammar")
-        except ImportError:
-            return
-        try:
-            xgrammar.Grammar.from_json_schema(schema)
-        except Exception as err:  # xgrammar raises RuntimeError prefixed with a time and its source file
-            raise ValueError(XGRAMMAR_PREFIX.sub("", str(err)).strip()) from None
+    async def check_json_schema(self, schema: str) -> None:
+        """What SGLang's scheduler would do with it, done before admission in a process of its own (grammar.py):
+        xgrammar (its default grammar backend) compiles the schema; under another backend it is held to the
+        bounds only, and SGLang compiles it when the request runs."""
+        if self._grammar is None:
+            backend = getattr(getattr(self._engine, "server_args", None), "grammar_backend", None) or "xgrammar"
+            if backend == "none":
+                raise ValueError("this server's SGLang runs without a grammar backend (--grammar-backend none)")
+            if backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+                backend = "xgrammar-missing"  # bounds only: SGLang reports what it cannot compile
+            self._grammar = GrammarWorker(backend)
+        await self._grammar.check(schema)
 
     # ---- generation
 

@@ -41,6 +41,17 @@ def spec(**changes: Any) -> dict[str, Any]:
                  "ForbiddenGpuResourceName", id="control-plane-taint-as-the-gpu-resource"),
     pytest.param(spec(model={"name": "m", "path": "/m", "volume": {"image": {"reference": "any/image:1"}}}),
                  "ForbiddenVolume", id="image-volume-off-by-default"),
+    # each of these ran the author's code in the runtime's process or container (bare names resolved on PATH,
+    # OpenSSL's config loading an engine .so, Triton's compiler and caches on a GPU node)
+    pytest.param(spec(engine={"env": [{"name": "OPENSSL_CONF", "value": "/models/openssl.cnf"}]}), "ForbiddenEnv",
+                 id="openssl-conf"),
+    pytest.param(spec(engine={"env": [{"name": "CC", "value": "/models/cc"}]}), "ForbiddenEnv", id="triton-cc"),
+    pytest.param(spec(engine={"env": [{"name": "TRITON_CACHE_DIR", "value": "/models/cache"}]}), "ForbiddenEnv",
+                 id="triton-cache"),
+    pytest.param(spec(engine={"env": [{"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/models"}]}), "ForbiddenEnv",
+                 id="inductor-cache"),
+    pytest.param(spec(engine={"env": [{"name": "NCCL_NET_PLUGIN", "value": "/models/libnet.so"}]}), "ForbiddenEnv",
+                 id="nccl-plugin"),
 ])
 def test_refused_by_default(raw: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError) as refused:
@@ -58,6 +69,8 @@ def test_refused_by_default(raw: dict[str, Any], reason: str) -> None:
     pytest.param(spec(engine={"args": ["--mem-frac=0.99"]}), "OwnedEngineArgument", id="abbreviated-owned"),
     pytest.param(spec(engine={"env": [{"name": "POD_NAME", "value": "someone-else"}]}), "ForbiddenEnv",
                  id="reserved-env-picks-the-records-source"),
+    pytest.param(spec(engine={"env": [{"name": "PATH", "value": "/models:/usr/bin"}]}), "ForbiddenEnv",
+                 id="path-even-if-a-platform-allows-every-name"),
     pytest.param(spec(auth={"apiKeysSecret": {"name": "db-password"}}), "ForbiddenSecret",
                  id="a-secret-that-did-not-opt-in"),
     pytest.param(spec(engine={"args": ["--trust-remote"]}), "OwnedEngineArgument", id="abbreviated-flag"),
@@ -84,6 +97,45 @@ def test_what_a_plain_service_needs_is_allowed_and_settings_widen_it() -> None:
                                  model={"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/w"}}})), wide)
 
 
+def test_a_platform_may_widen_the_environment_by_name_or_prefix() -> None:
+    raw = spec(engine={"env": [{"name": "SGLANG_ENABLE_TORCH_COMPILE", "value": "1"}]})
+    with pytest.raises(SpecError):
+        check_policy(parse_spec(raw), DEFAULTS)
+    check_policy(parse_spec(raw), OperatorSettings(allowed_env_names=("SGLANG_ENABLE_*",)))
+
+
+def test_the_chart_and_the_operator_default_to_the_same_environment_names() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    values = yaml.safe_load((Path(__file__).resolve().parents[3] / "charts" / "tally-operator" / "values.yaml")
+                            .read_text())
+    assert tuple(values["policy"]["allowedEnvNames"]) == DEFAULTS.allowed_env_names
+
+
+def test_every_container_of_the_runtime_image_runs_it_by_its_absolute_path() -> None:
+    raw = spec(engine={"kind": "cpu"}, model={"name": "m"}, autoscaling={"minReplicas": 0, "maxReplicas": 2})
+    parsed = parse_spec(raw)
+    meta = {"name": "s", "namespace": "n", "uid": "u"}
+    runtime = desired_deployment(meta, parsed, DEFAULTS)["spec"]["template"]["spec"]["containers"][0]
+    assert runtime["command"] == ["/opt/tally/bin/tally-runtime"] and runtime["args"][0] == "serve"
+
+
+@pytest.mark.parametrize("source", [
+    pytest.param({"configMap": {"name": "weights", "defaultMode": 0o755}}, id="configMap-0755"),
+    pytest.param({"configMap": {"name": "weights", "items": [{"key": "run", "path": "tally-runtime", "mode": 0o777}]}},
+                 id="configMap-item-0777"),
+])
+def test_the_model_volume_never_holds_an_executable(source: dict[str, Any]) -> None:
+    raw = spec(model={"name": "m", "path": "/models/m", "volume": source})
+    pod = desired_deployment({"name": "s", "namespace": "n", "uid": "u"}, parse_spec(raw), DEFAULTS)["spec"][
+        "template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "models")["configMap"]
+    assert volume["defaultMode"] == 0o444 and volume["name"] == "weights"
+    assert all(item["mode"] == 0o444 for item in volume.get("items", []))
+
+
 def test_the_keys_secret_is_mounted_read_only_and_the_runtime_told_where() -> None:
     raw = spec(auth={"apiKeysSecret": {"name": "tally-api-keys-team", "key": "keys"}, "trustTenantHeader": True})
     dep = desired_deployment({"name": "s", "namespace": "n", "uid": "u"}, parse_spec(raw), DEFAULTS)
@@ -95,6 +147,39 @@ def test_the_keys_secret_is_mounted_read_only_and_the_runtime_told_where() -> No
                                 "items": [{"key": "keys", "path": "api-keys"}]}
     args = container["args"]
     assert args[args.index("--api-keys-file") + 1] == "/etc/tally/auth/api-keys" and "--trust-tenant-header" in args
+
+
+def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_the_network_policies_cover_the_activator_and_the_picker_too() -> None:
+    """A client the activator (or picker) admits must be one the service's policy admits: the activator relays to
+    the pods (with apiSameNamespaceOnly, any pod reached the pods through it)."""
+    from tally_operator.desired import desired_activator
+    from tally_operator.desired_pool import desired_picker
+
+    meta = {"name": "s", "namespace": "n", "uid": "u"}
+    settings = OperatorSettings(network_policy=True, namespace="tally-system", network_policy_api_same_namespace=True)
+    raw = spec(engine={"kind": "cpu"}, model={"name": "m"}, autoscaling={"minReplicas": 0, "maxReplicas": 2},
+               routing={"inferencePool": {}})
+    parsed = parse_spec(raw)
+    policy = desired_network_policy(meta, settings)
+    activator = desired_activator(meta, parsed, settings)
+    assert policy is not None and activator is not None
+    runtime_labels = desired_deployment(meta, parsed, settings)["spec"]["template"]["metadata"]["labels"]
+    activator_labels = activator["spec"]["template"]["metadata"]["labels"]
+    assert matches(policy["spec"]["podSelector"], runtime_labels)
+    assert matches(policy["spec"]["podSelector"], activator_labels)
+    picker = {o["kind"]: o for o in desired_picker(meta, parsed, settings)}
+    picker_labels = picker["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert not matches(policy["spec"]["podSelector"], picker_labels)
+    picker_policy = picker["NetworkPolicy"]
+    assert matches(picker_policy["spec"]["podSelector"], picker_labels)
+    metrics, serving = picker_policy["spec"]["ingress"]
+    assert serving["from"] == [{"podSelector": {}}] and {p["port"] for p in serving["ports"]} == {9002, 9003}
+    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "tally-system"}
+    assert "NetworkPolicy" not in {o["kind"] for o in desired_picker(meta, parsed, DEFAULTS)}
 
 
 def test_the_network_policy_opens_metrics_to_the_operator_only() -> None:

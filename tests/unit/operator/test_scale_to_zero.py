@@ -105,7 +105,10 @@ def test_the_activator_runs_the_operators_image_without_gpu_keys_or_api_access()
     assert not any(m.get("secret") for m in pod_spec["volumes"])
     assert container["args"][:6] == ["activate", "--service", "team/chat", "--backend",
                                      "http://chat-pods.team.svc.cluster.local:8000", "--port"]
-    assert container["args"][-4:] == ["--max-held", "8", "--hold-seconds", "30"]
+    assert container["args"][-6:] == ["--max-held", "8", "--hold-seconds", "30", "--max-body-bytes", str(4 << 20)]
+    assert container["command"] == ["/opt/tally/bin/tally-runtime"]
+    # its memory holds every body it may have in hand (8 requests of 4 MiB, twice) over the process itself
+    assert container["resources"]["limits"]["memory"] == f"{128 + 8 * 8}Mi"
     labels = activator["spec"]["template"]["metadata"]["labels"]
     assert c.LABEL_SERVICE not in labels, "the runtime's selector (its pods, the ledger's) must not match it"
     assert activator["spec"]["selector"]["matchLabels"] == {c.LABEL_ACTIVATOR: "chat"}

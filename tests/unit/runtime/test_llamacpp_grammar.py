@@ -13,7 +13,7 @@ import pytest
 from llama_cpp import Llama, llama_cpp
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from tally_runtime.engine.llamacpp import _gbnf, embedded_model_path
+from tally_runtime.engine.llamacpp import embedded_model_path, gbnf
 
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
 CANDIDATES = ["\n", "\t", "c", '"']
@@ -44,7 +44,7 @@ def allowed_next(model: Llama, grammar: str, written: str, candidates: Sequence[
 
 
 def test_a_string_in_the_schema_refuses_raw_control_characters(vocab_model: Llama) -> None:
-    assert allowed_next(vocab_model, _gbnf(SCHEMA), '{"name":"Ab', CANDIDATES) == ["c", '"']
+    assert allowed_next(vocab_model, gbnf(SCHEMA), '{"name":"Ab', CANDIDATES) == ["c", '"']
 
 
 def test_the_converter_alone_would_allow_them(vocab_model: Llama) -> None:

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from tally_runtime.engine.base import SamplingParams
-from tally_runtime.engine.sglang import XGRAMMAR_PREFIX, sampling_params
+from tally_runtime.engine.sglang import sampling_params
+from tally_runtime.grammar_child import XGRAMMAR_PREFIX
 from tally_runtime.protocol import MAX_SCHEMA_BYTES, ApiError, ChatCompletionRequest, validated
 
 

@@ -1,0 +1,134 @@
+"""One ordinary-looking request must not crash, stall or out-grow a pod (a real `tally-runtime serve` process on
+the CPU engine). Each of these once did: a 41-byte schema segfaulted the process (llama.cpp's grammar parser
+recursing once per nested group), tools with `ignore_eos` aborted it (an empty grammar stack thrown through
+ctypes), and 7 MB of tools held the event loop 16-32 s while /health timed out. Now each is a 400 naming its
+parameter, billed nothing, while /health keeps answering within a second and the process lives on."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from runtime_harness import metric_value, runtime_process
+
+HEALTH_BOUND_SECONDS = 1.0  # a kubelet probe's patience is 5 s; a loop held for 1 s is already a stall
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
+    log = tmp_path_factory.mktemp("hostile") / "rt.log"
+    with runtime_process(log, "--max-concurrent-generations", "2") as (proc, url):
+        yield proc, url
+
+
+class HealthWatch:
+    """Polls /health while a request runs; `slowest` is the longest any answer took (or a failure's time)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.slowest, self.failures = url, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    ok = client.get(f"{self.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.slowest = max(self.slowest, time.monotonic() - started)
+                self.failures += not ok
+                self._stop.wait(0.05)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Name a city."}], "max_tokens": 16, **extra}
+
+
+def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def named(function: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": function}}
+
+
+HUGE_TOOLS = [tool(f"t{i}", {"type": "object", "properties": {"q": {"type": "string", "description": "d" * 7000}}})
+              for i in range(1000)]  # about 7 MB as JSON, under the 8 MiB body bound
+
+HOSTILE = [
+    pytest.param(chat(**schema_format({"type": "string", "maxLength": 30000})), "response_format",
+                 id="maxLength 30000 (segfaulted)"),
+    pytest.param(chat(**schema_format({"type": "array", "items": {"type": "integer"}, "maxItems": 30000})),
+                 "response_format", id="maxItems 30000 (segfaulted)"),
+    pytest.param(chat(**schema_format({"type": "string", "minLength": 30_000_000})), "response_format",
+                 id="minLength 30M (held the loop 7 s)"),
+    pytest.param(chat(tools=[tool("f", {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30000}},
+                                        "required": ["s"]})], tool_choice="required"), "tools",
+                 id="a tool's parameters (segfaulted)"),
+    pytest.param(chat(tools=[tool("f", {"type": "object"})], tool_choice="required", ignore_eos=True,
+                      temperature=1.0), "ignore_eos", id="tools with ignore_eos (aborted)"),
+    pytest.param(chat(tools=[tool("f", {"type": "object"})], tool_choice=named("f"), min_tokens=50, temperature=1.0),
+                 "min_tokens", id="a named tool with min_tokens (aborted)"),
+    pytest.param(chat(tools=HUGE_TOOLS, tool_choice=named("t0")), "messages",
+                 id="7 MB of tools (held the loop 16-32 s)"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), HOSTILE)
+def test_a_hostile_request_is_a_400_and_the_pod_lives_on(runtime: tuple[Any, str], body: dict[str, Any],
+                                                         param: str) -> None:
+    proc, url = runtime
+    before = httpx.get(f"{url}/metrics").text
+    with HealthWatch(url) as health, httpx.Client(timeout=120) as client:
+        answer = client.post(f"{url}/v1/chat/completions", content=json.dumps(body),
+                             headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert proc.poll() is None, "the runtime process died"
+    assert health.failures == 0 and health.slowest < HEALTH_BOUND_SECONDS, \
+        f"/health took {health.slowest:.2f}s ({health.failures} failures) while the request was handled"
+    after = httpx.get(f"{url}/metrics").text
+    assert metric_value(after, "tally_requests_total", {"outcome": "invalid"}) == \
+        metric_value(before, "tally_requests_total", {"outcome": "invalid"}) + 1
+    for series in ("tally_prompt_tokens_total", "tally_completion_tokens_total"):
+        assert metric_value(after, series) == metric_value(before, series)  # billed nothing
+
+
+def test_a_schema_within_bounds_still_constrains_the_output(runtime: tuple[Any, str]) -> None:
+    _, url = runtime
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+              "additionalProperties": False}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=40, temperature=0, **schema_format(schema)),
+                        timeout=120)
+    assert answer.status_code == 200, answer.text
+    content = json.loads(answer.json()["choices"][0]["message"]["content"])
+    assert set(content) == {"city"} and len(content["city"]) <= 30
+
+
+def test_the_grammar_compiler_runs_in_a_process_of_its_own(runtime: tuple[Any, str], tmp_path: Path) -> None:
+    """The process tree: the serving process compiled a schema through a child, never in itself."""
+    proc, url = runtime
+    httpx.post(f"{url}/v1/chat/completions", json=chat(**schema_format({"type": "object"})), timeout=120)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+    assert any(b"tally_runtime.grammar_child" in command for command in commands), commands
