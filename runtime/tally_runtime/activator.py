@@ -275,18 +275,22 @@ class Activator:
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
         url = self.settings.backend + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
-        self.relaying += 1
-        try:
-            with self.slot():
-                self._check_length(scope)
-                body = await self._body(receive)
-                held_at = None
-                if not self.pod_fresh():
-                    held_at = self.clock()
-                    await self._while_connected(self.hold(), receive)
-                request = self.client.build_request(scope["method"], url, headers=headers, content=body)
-                del body
+        with self.slot():
+            self._check_length(scope)
+            body = await self._body(receive)
+            held_at = None
+            if not self.pod_fresh():
+                held_at = self.clock()
+                await self._while_connected(self.hold(), receive)
+            request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+            del body
+            self.relaying += 1  # from here what the picker's gauges call running, until its response is over
+            try:
                 response = await self._open(request, held_at, receive)
+            except BaseException:
+                self.relaying -= 1
+                raise
+        try:
             await self._forward(response, receive, send)
         finally:
             self.relaying -= 1

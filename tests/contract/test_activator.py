@@ -6,6 +6,7 @@ Retry-After; a body too large, 413; a client that leaves while held leaves the q
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -230,3 +231,126 @@ def test_behind_a_pool_a_stream_being_relayed_counts_as_running_until_it_ends(tm
             assert next(chunks).startswith(b"data: ")
             assert gauges() == (1, 0)  # mid-stream: relayed, not held
         assert until(lambda: gauges() == (0, 0), 30), gauges()
+
+
+# ---- bounds: the activator faces every client unauthenticated, so it has the runtime's (hostile input, round 5)
+
+def _raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server has closed this connection (what it sent before closing is skipped)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _activator_pid(url: str) -> int:
+    """The activator process listening on `url`'s port (this test's child)."""
+    port = int(url.rsplit(":", 1)[1])
+    inodes = {line.split()[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+              if int(line.split()[1].split(":")[1], 16) == port and line.split()[3] == "0A"}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                links = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            except OSError:
+                continue
+            if any(f"socket:[{inode}]" in links for inode in inodes):
+                return int(proc.name)
+    raise AssertionError(f"no process listens on {port}")
+
+
+def test_half_sent_heads_are_closed_within_the_head_deadline(tmp_path: Path) -> None:
+    """300 connections that never finish their request head once stayed open 35 s and more; now the head
+    deadline (10 s) closes each, and the metrics port answers meanwhile."""
+    with activator(tmp_path, free_port()) as (url, metrics):
+        trickling = [_raw(url) for _ in range(60)]
+        for sock in trickling:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert httpx.get(f"{metrics}/health", timeout=5).status_code == 200
+        assert until(lambda: all(_closed(s) for s in trickling), 25), "half-sent heads were kept open"
+        for sock in trickling:
+            sock.close()
+
+
+def test_unfinished_bodies_cannot_take_the_activators_memory(tmp_path: Path) -> None:
+    """60 never-finished 4 MiB bodies took the activator from 49 to 300 MiB (bodies were read whole before the
+    queue's bound): now a request takes a slot before its body is read, so beyond --max-held the rest are refused
+    at once and nothing of theirs is read."""
+    with activator(tmp_path, free_port(), "--max-held", "4", "--hold-seconds", "120") as (url, _):
+        pid = _activator_pid(url)
+        before = _rss_kib(pid)
+        chunk = b"x" * (1 << 20)
+        socks, refused = [], 0
+        for _ in range(60):
+            sock = _raw(url)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(4 << 20).encode() + b"\r\n\r\n")
+            try:
+                for _ in range(3):  # 3 MiB of the 4 promised, then nothing more
+                    sock.sendall(chunk)
+            except OSError:
+                pass  # refused and closed while sending
+            socks.append(sock)
+        for sock in socks:
+            sock.settimeout(5)
+            with contextlib.suppress(OSError):
+                refused += sock.recv(64).startswith(b"HTTP/1.1 503")
+        grown_mib = (_rss_kib(pid) - before) / 1024
+        for sock in socks:
+            sock.close()
+    assert refused >= 56, f"only {refused} of 60 refused with at most 4 in hand"
+    assert grown_mib < 4 * 3 * 2 + 16, f"the activator grew {grown_mib:.0f} MiB"
+
+
+def test_a_declared_body_over_the_bound_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    with activator(tmp_path, free_port(), "--max-body-bytes", "1024") as (url, _):
+        sock = _raw(url)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(64).startswith(b"HTTP/1.1 413")  # no byte of the body was sent
+        sock.close()
+
+
+def test_one_address_holds_at_most_its_share_of_connections(tmp_path: Path) -> None:
+    with activator(tmp_path, free_port(), "--max-connections-per-client", "8") as (url, metrics):
+        kept = [_raw(url) for _ in range(8)]
+        extra = _raw(url)
+        extra.settimeout(10)
+        assert extra.recv(64).startswith(b"HTTP/1.1 429")
+        assert httpx.get(f"{metrics}/health", timeout=5).status_code == 200  # the probes' port is apart
+        for sock in [*kept, extra]:
+            sock.close()
+
+
+def test_forwarded_responses_close_their_connection_so_pooled_clients_leave(tmp_path: Path) -> None:
+    """Pooled clients stayed on the activator after the pod was up (a keep-alive connection, never closed): every
+    response it forwards now says `Connection: close`, so the next request opens a new connection through the
+    Service, which points at the pods by then."""
+    backend = free_port()
+    with runtime_on(tmp_path, backend) as _, activator(tmp_path, backend) as (url, _):
+        opened: list[object] = []
+        with httpx.Client(timeout=60, event_hooks={"request": [lambda r: opened.append(r)]}) as client:
+            for _ in range(3):
+                response = client.post(f"{url}/v1/completions",
+                                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+                assert response.status_code == 200 and response.headers["connection"] == "close"
+            pool = client._transport._pool  # type: ignore[attr-defined]
+            assert len(pool.connections) == 0, "a forwarded response's connection was kept for reuse"
