@@ -23,6 +23,7 @@ from tally_operator.signing import Signer
 
 SETTINGS = OperatorSettings.from_env()
 RETRY_SECONDS = 10
+RELEASE_TRIES = 30  # about a minute of releasing a deleted service's pods as they start to drain
 ACTIVATION_POLL_SECONDS = 25  # the activator long-poll's length (it returns at once when something is held)
 
 
@@ -47,12 +48,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, optional=True)
-async def forget(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+async def forget(name: str, namespace: str | None, uid: str, memo: kopf.Memo, retry: int, **_: Any) -> None:
     memo.context.metrics.forget(namespace or "", name)
     try:
-        await release_pods(memo.context, namespace or "", name)
+        waiting = await release_pods(memo.context, {"name": name, "namespace": namespace or "", "uid": uid})
     except KubeError as error:  # the pods then wait out their final read: nothing is lost but time
         logging.getLogger("tally_operator").info("Could not release the pods of %s/%s: %s", namespace, name, error)
+        return
+    if waiting and retry < RELEASE_TRIES:  # a deleted pod drains after its preStop pause: try again shortly
+        raise kopf.TemporaryError(f"{waiting} pod(s) of {namespace}/{name} not draining yet", delay=2)
 
 
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)

@@ -494,19 +494,54 @@ def signed(signer: Signer, url: str, body: Mapping[str, Any]) -> Call:
     return url, raw, {FINAL_READ_SIGNATURE_HEADER: signer.sign(raw)}
 
 
-async def release_pods(ctx: Context, namespace: str, name: str) -> None:
-    """The CompletionService is gone, and its ledger with it: let its draining pods exit without waiting
-    for a final read nobody will book (each release is signed and names its pod)."""
-    pods = await asyncio.to_thread(ctx.kube.pods, namespace, f"{c.LABEL_SERVICE}={name}")
+async def release_pods(ctx: Context, meta: Mapping[str, str]) -> int:
+    """The CompletionService is being deleted, and its ledger with it: its pods are made to drain now (its
+    Deployment deleted, rather than after the CompletionService is gone) and each draining one is let exit
+    without waiting for a final read nobody will book. A release is signed and names its pod, the pod's counters'
+    epoch and the nonce of the drain it ends (read from the pod just before): it ends that drain and no later
+    one, so a release sent (or read off the plaintext metrics port) once can never let an adopted pod skip its
+    final read afterwards. Returns how many pods still run and were not released (not draining yet)."""
+    namespace, name = meta["namespace"], meta["name"]
+    deployment = await asyncio.to_thread(ctx.kube.get, "apps/v1", "Deployment", name, namespace)
+    if deployment is not None and controller_uid(deployment) == meta["uid"] and \
+            not deployment["metadata"].get("deletionTimestamp"):
+        await asyncio.to_thread(ctx.kube.delete, "apps/v1", "Deployment", name, namespace,
+                                uid=deployment["metadata"]["uid"])
+    pods = [pod for pod in await asyncio.to_thread(ctx.kube.pods, namespace, f"{c.LABEL_SERVICE}={name}")
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+    urls = {str(pod["metadata"]["uid"]): pod_url(str(pod["status"]["podIP"]), c.RUNTIME_METRICS_PORT, FINAL_READ_PATH)
+            for pod in pods if pod["metadata"].get("uid") and (pod.get("status") or {}).get("podIP")}
+    challenges = await scrape(urls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout, MAX_CHALLENGE_BYTES)
     calls = {}
-    for pod in pods:
-        uid, ip = pod["metadata"].get("uid"), (pod.get("status") or {}).get("podIP")
-        if uid and ip:
-            calls[uid] = signed(ctx.signer, pod_url(ip, c.RUNTIME_METRICS_PORT, FINAL_READ_PATH),
-                                {"podUid": uid, "release": True})
-    if calls:
-        await post_all(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout)
-        log.info("Released %d pod(s) of deleted %s/%s from their final read", len(calls), namespace, name)
+    for uid, answer in challenges.items():
+        challenge = drain_challenge(answer, uid)
+        if challenge is not None:  # a pod not draining yet gets its release on a later try
+            calls[uid] = signed(ctx.signer, urls[uid], {"podUid": uid, "release": True, **challenge})
+    released = await post_all(calls, ctx.settings.scrape_concurrency, ctx.settings.scrape_timeout) if calls else {}
+    done = sum(1 for result in released.values() if result == 200)
+    if done:
+        log.info("Released %d draining pod(s) of deleted %s/%s from their final read", done, namespace, name)
+    return sum(1 for pod in pods if pod["metadata"].get("uid") and released.get(pod["metadata"]["uid"]) != 200)
+
+
+MAX_CHALLENGE_BYTES = 4096
+
+
+def drain_challenge(answer: str | Exception, uid: str) -> dict[str, Any] | None:
+    """A draining pod's challenge (its epoch and nonce) from its answer; None for anything else."""
+    if isinstance(answer, Exception):
+        return None
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict) or parsed.get("podUid") not in (uid, ""):
+        return None
+    epoch, nonce = parsed.get("epoch"), parsed.get("nonce")
+    if not isinstance(epoch, int | float) or isinstance(epoch, bool) or not isinstance(nonce, str) or \
+            not 0 < len(nonce) <= 64:
+        return None
+    return {"epoch": epoch, "nonce": nonce}
 
 
 def rejected(error: KubeError) -> SpecError:

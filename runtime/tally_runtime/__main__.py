@@ -83,10 +83,14 @@ def connections_for(settings: Settings) -> Connections:
     from tally_runtime.http_limits import Connections
 
     caps = {settings.port: settings.max_connections}
+    per_address = {}
     if settings.metrics_port:
         caps[settings.metrics_port] = settings.max_metrics_connections
+        per_address[settings.metrics_port] = settings.max_metrics_connections_per_client
     per_client = settings.max_unauthenticated_connections_per_client if settings.api_keys_file else 0
-    return Connections(caps, settings.max_connections, per_client, authenticated_ports=frozenset({settings.port}))
+    return Connections(caps, settings.max_connections, per_client, authenticated_ports=frozenset({settings.port}),
+                       per_client_caps=per_address,
+                       per_tenant=settings.max_connections_per_tenant if settings.api_keys_file else 0)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

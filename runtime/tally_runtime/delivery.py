@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from tally_runtime.records import write_line
+from tally_runtime.records import LineWriter
 
 if TYPE_CHECKING:
     import httpx
@@ -48,10 +48,10 @@ class Delivery:
         self.on_lost = on_lost or (lambda: None)
         self.on_delivered = on_delivered or (lambda count: None)
         self.fd = os.open(spool, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        self.writer = LineWriter(self.fd)
         self.size = os.fstat(self.fd).st_size
-        if self.size and os.pread(self.fd, 1, self.size - 1) != b"\n":  # a line a crash tore: end it
-            write_line(self.fd, b"\n")
-            self.size = os.fstat(self.fd).st_size
+        # a line a crash tore: the next record starts a line of its own
+        self.writer.torn = bool(self.size) and os.pread(self.fd, 1, self.size - 1) != b"\n"
         self.offset = self._read_offset()
         self.pending = self._count_pending()
         self.wake = asyncio.Event()
@@ -65,13 +65,13 @@ class Delivery:
             self.on_lost()
             return
         try:
-            write_line(self.fd, line)
+            self.writer.write(line)
         except OSError as err:
             log.error("Cannot spool a usage record for delivery: %s", err)
             self.on_lost()
             self.size = os.fstat(self.fd).st_size
             return
-        self.size += len(line)
+        self.size = os.fstat(self.fd).st_size  # the line, and the newline that ended a torn one before it
         self.pending += 1
         self.wake.set()
 

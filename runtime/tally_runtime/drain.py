@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -70,6 +71,9 @@ class Drain:
         self.released = False
         self.task: asyncio.Task[None] | None = None
         self.began = 0.0
+        # What a release must name (GET /internal/final-read gives it while draining): a signed release is good for
+        # this process's drain alone, so one read off the plaintext metrics port cannot end another's wait
+        self.nonce = ""
 
     def install(self) -> bool:
         """Take SIGTERM on the running loop (only possible from the main thread)."""
@@ -84,6 +88,7 @@ class Drain:
             self.exit_now()
             return
         self.began = time.monotonic()
+        self.nonce = secrets.token_hex(16)
         self.server.draining = True
         self.server.metrics.draining.set(1)
         if self.connections is not None:
@@ -101,10 +106,15 @@ class Drain:
             return True
         return False
 
-    def release(self) -> None:
-        """The operator will not book this pod (its CompletionService is gone): no final read to wait for."""
+    def release(self, released: Mapping[str, Any]) -> bool:
+        """The operator will not book this pod (its CompletionService is gone): no final read to wait for. True
+        (and the wait ends) only while draining, for this drain's nonce and these counters' epoch."""
+        if not (self.nonce and released.get("nonce") == self.nonce
+                and released.get("epoch") == self.server.metrics.totals.epoch):
+            return False
         self.released = True
         self.final_read.set()
+        return True
 
     async def run(self) -> None:
         server = self.server

@@ -7,9 +7,11 @@ httptools protocol buffers a whole head (any size, for as long as a client cares
   connection opening (or of the first byte of its next request) gets 408; a body not complete within
   `body_seconds` of its head gets 408 too, so a client trickling bytes holds nothing for long;
 - `Connections` caps open connections per listening port (the metrics port, where the kubelet's probes
-  and the operator's scrape arrive, has capacity of its own that API clients cannot take) and, with API
-  keys, per client address before that client's first authenticated request; the app closes the
-  connection after an authentication refusal (`Connection: close`);
+  and the operator's scrape arrive, has capacity of its own that API clients cannot take), per client address
+  on a port that has a cap of that kind (the metrics port: a few addresses must not take all of it), with API
+  keys per client address before that client's first authenticated request, and per tenant once it is
+  authenticated (one key must not hold every API connection); the app closes the connection after an
+  authentication refusal (`Connection: close`);
 - once the server drains, every response closes its connection and idle keep-alive connections are
   closed, so a pooled client's next request opens a new connection, which the Service sends elsewhere.
 The body's size is bounded by the app (respond.py).
@@ -44,13 +46,18 @@ class Connections:
     without API keys, where nothing authenticates)."""
 
     def __init__(self, caps: Mapping[int, int], default_cap: int, unauthenticated_per_client: int = 0,
-                 authenticated_ports: frozenset[int] = frozenset()) -> None:
+                 authenticated_ports: frozenset[int] = frozenset(), per_client_caps: Mapping[int, int] | None = None,
+                 per_tenant: int = 0) -> None:
         self.caps = dict(caps)
         self.default_cap = default_cap
         self.unauthenticated_per_client = unauthenticated_per_client
         self.authenticated_ports = authenticated_ports  # where the per-client bound applies (the API port)
+        self.per_client_caps = dict(per_client_caps or {})  # port -> connections one address may hold there
+        self.per_tenant = per_tenant  # authenticated connections one tenant may hold (0: no bound)
         self.open: dict[int, set[Any]] = {}
         self.unauthenticated: Counter[str] = Counter()
+        self.by_client: Counter[tuple[int, str]] = Counter()  # on ports with a per-client cap
+        self.by_tenant: Counter[str] = Counter()
         self.closing = False  # draining: every response closes its connection
         self.on_refused: Callable[[str], object] | None = None  # counts each refusal by why (the app's metric)
 
@@ -66,10 +73,36 @@ class Connections:
         bounded = self.bounds_client(port)
         if bounded and self.unauthenticated[client] >= self.unauthenticated_per_client:
             return self._refused("client")
+        if port in self.per_client_caps and self.by_client[port, client] >= self.per_client_caps[port]:
+            return self._refused("client")
         on_port.add(protocol)
         if bounded:
             self.unauthenticated[client] += 1
+        if port in self.per_client_caps:
+            self.by_client[port, client] += 1
         return ""
+
+    def tenant(self, protocol: Any, tenant: str) -> bool:
+        """The connection's requests are the tenant's; False (nothing counted) when the tenant already holds
+        `per_tenant` connections. A connection counts once, for the tenant of its latest request."""
+        current = getattr(protocol, "tally_tenant", None)
+        if current == tenant or not self.per_tenant:
+            return True
+        if self.by_tenant[tenant] >= self.per_tenant:
+            self._refused("tenant")
+            return False
+        self._untenant(protocol)
+        self.by_tenant[tenant] += 1
+        protocol.tally_tenant = tenant
+        return True
+
+    def _untenant(self, protocol: Any) -> None:
+        tenant = getattr(protocol, "tally_tenant", None)
+        if tenant is not None:
+            protocol.tally_tenant = None
+            self.by_tenant[tenant] -= 1
+            if self.by_tenant[tenant] <= 0:
+                del self.by_tenant[tenant]
 
     def _refused(self, why: str) -> str:
         if self.on_refused is not None:
@@ -86,6 +119,11 @@ class Connections:
         self.open.get(port, set()).discard(protocol)
         if unauthenticated:
             self.authenticated(client)
+        if port in self.per_client_caps:
+            self.by_client[port, client] -= 1
+            if self.by_client[port, client] <= 0:
+                del self.by_client[port, client]
+        self._untenant(protocol)
 
     def close_after_responses(self) -> None:
         """From now on no connection is kept alive: idle ones close at once, and every response not started
@@ -143,10 +181,15 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
             if not self.transport.is_closing():
                 self.transport.abort()
 
-        def mark_authenticated(self) -> None:
-            if self._unauthenticated and connections is not None:
+        def mark_authenticated(self, tenant: str = "") -> bool:
+            """The request on this connection authenticated (as `tenant`); False when that tenant holds its
+            share of connections already (the app refuses the request and closes this one)."""
+            if connections is None:
+                return True
+            if self._unauthenticated:
                 self._unauthenticated = False
                 connections.authenticated(self._client)
+            return not tenant or connections.tenant(self, tenant)
 
         def data_received(self, data: bytes) -> None:
             if not self._refused:

@@ -67,22 +67,37 @@ class UsageRecord:
         return orjson.dumps(event) + b"\n"
 
 
-def write_line(fd: int, line: bytes) -> bool:
-    """Write every byte of `line` (a write may take fewer); on a failure part-way, end the torn line so the
-    next record starts a line of its own. True when the whole line was written."""
-    done = 0
-    try:
-        while done < len(line):
-            written = os.write(fd, line[done:])
-            if written <= 0:
-                raise OSError("the sink took no bytes")
-            done += written
-        return True
-    except OSError:
-        if done:
-            with contextlib.suppress(OSError):
-                os.write(fd, b"\n")  # a torn record is one bad line, never two records merged
-        raise
+class LineWriter:
+    """Whole lines to one file descriptor. A write may take fewer bytes than asked, and a failing volume may fail
+    part-way through a line: such a torn line is ended at once if the volume lets it, or else before the next
+    line goes out (the repair newline had failed on the same full volume, and the next record was merged into
+    the torn one). So a torn record is one bad line, never two records in one."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.torn = False  # the output ends inside a line
+
+    def write(self, line: bytes) -> None:
+        """Write every byte of `line`, or raise OSError (the line then is at most one torn line of its own)."""
+        prefix = 1 if self.torn else 0
+        data = b"\n" + line if prefix else line
+        done = 0
+        try:
+            while done < len(data):
+                written = os.write(self.fd, data[done:])
+                if written <= 0:
+                    raise OSError("the sink took no bytes")
+                done += written
+            self.torn = False
+        except OSError:
+            if done > prefix:
+                self.torn = True  # part of this line is out
+            elif prefix and done == prefix:
+                self.torn = False  # the earlier line was ended; nothing of this one is out
+            if self.torn:
+                with contextlib.suppress(OSError):
+                    self.torn = os.write(self.fd, b"\n") != 1
+            raise
 
 
 class RecordSink:
@@ -100,6 +115,7 @@ class RecordSink:
         self.cloudevents_source = cloudevents_source
         # 0600, as the journal: the records name every tenant and what it used
         self.fd = os.open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if path else None
+        self.writers = {"stdout": LineWriter(1), "file": LineWriter(self.fd if self.fd is not None else -1)}
         self.failing = False
         self.lost: Counter[str] = Counter()
 
@@ -111,7 +127,7 @@ class RecordSink:
             if fd is None:
                 continue
             try:
-                write_line(fd, line)
+                self.writers[sink].write(line)
             except OSError as err:
                 self.lost[sink] += 1
                 if self.on_lost is not None:

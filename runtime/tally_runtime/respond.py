@@ -70,7 +70,8 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
         asyncio.current_task().add_done_callback(run.close_soon)  # type: ignore[union-attr]
     except ApiError as error:
         if not error.recorded:
-            server.reject(endpoint.name, error, tenant, job)
+            server.reject(endpoint.name, error, error.tenant if isinstance(error, TooManyConnections) else tenant,
+                          job)
         return error_response(error)
     except ClientGone:  # left while queued or in prefill, or while its refusal closed: the server recorded it
         return Response(status_code=CLIENT_CLOSED)
@@ -96,11 +97,20 @@ async def respond(request: Request, server: Server, endpoint: Endpoint,
 
 
 def authenticated(request: Request) -> auth.Key | None:
-    """The request's key (None without keys); a valid one lifts its connection's pre-authentication bound."""
+    """The request's key (None without keys); a valid one lifts its connection's pre-authentication bound and
+    counts the connection as its key's tenant's: 429 (recorded as that tenant's; the connection closes) when
+    the tenant holds its share of the server's connections already."""
     keyed = auth.authenticate(request.app.state.api_keys, request.headers.getlist("authorization"))
-    if keyed is not None and (mark := request.scope.get(AUTHENTICATED)) is not None:
-        mark()
+    if keyed is not None and (mark := request.scope.get(AUTHENTICATED)) is not None and not mark(keyed.tenant):
+        raise TooManyConnections(keyed)
     return keyed
+
+
+class TooManyConnections(ApiError):
+    def __init__(self, keyed: auth.Key) -> None:
+        super().__init__(429, "This API key's tenant holds as many connections to this server as it may; reuse "
+                              "one or close some", code="rate_limit_exceeded", headers=auth.UNAUTHENTICATED_HEADERS)
+        self.tenant = auth.Tenant(keyed.tenant, auth.SOURCE_KEY)
 
 
 # Bodies larger than this are parsed and validated on the preparer's one worker thread: 7 MiB bodies took

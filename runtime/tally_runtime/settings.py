@@ -38,6 +38,8 @@ class Settings:
     max_connections: int = 4096
     max_metrics_connections: int = 64
     max_unauthenticated_connections_per_client: int = 16
+    max_metrics_connections_per_client: int = 8
+    max_connections_per_tenant: int = 1024
     body_timeout_seconds: float = 30.0
     keep_alive_seconds: int = KEEP_ALIVE_SECONDS
     send_stall_seconds: float = 60.0
@@ -105,6 +107,10 @@ _HELP: dict[str, str] = {
     "from the API port's",
     "max_unauthenticated_connections_per_client": "with --api-keys-file: connections one client address may hold "
     "before a request on them authenticated; beyond, new ones get 429",
+    "max_metrics_connections_per_client": "connections one client address may hold on the metrics port; beyond, "
+    "new ones get 429 (a few addresses cannot take the probes' and the operator's capacity)",
+    "max_connections_per_tenant": "with --api-keys-file: API connections one tenant may hold once authenticated; "
+    "beyond, its request gets 429 and the connection closes",
     "body_timeout_seconds": "how long a request body may take to arrive once its head has (then 408)",
     "keep_alive_seconds": "how long an idle keep-alive connection stays open; longer than pooled clients keep "
     "theirs (httpx and the openai SDK 5 s, aiohttp 15 s, Go 90 s), so the client closes it, never the server "
@@ -244,7 +250,8 @@ def validate(settings: Settings) -> str:
     if settings.max_tenants < 1:
         return "--max-tenants must be at least 1"
     for name in ("max_body_bytes", "max_header_bytes", "max_connections", "max_metrics_connections",
-                 "max_unauthenticated_connections_per_client"):
+                 "max_unauthenticated_connections_per_client", "max_metrics_connections_per_client",
+                 "max_connections_per_tenant"):
         if getattr(settings, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if min(settings.header_timeout_seconds, settings.body_timeout_seconds, settings.send_stall_seconds,

@@ -269,3 +269,46 @@ def test_large_bodies_leave_the_event_loop_free_for_probes(tmp_path: Path) -> No
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
             assert refused.json()["error"]["code"] == "context_length_exceeded"
         assert slowest < 2.0, f"/health waited {slowest:.1f}s behind the bodies"
+
+
+def test_idle_connections_from_a_few_addresses_cannot_starve_the_metrics_port(keyed: tuple[str, str]) -> None:
+    """64 idle connections (the metrics port's capacity) made /health and /metrics answer 503 for over 30 s where
+    no NetworkPolicy is enforced: one address now holds at most 8 there, and the kubelet and the operator, from
+    addresses of their own, are answered."""
+    _, metrics = keyed
+    with tricklers(metrics, ["127.0.0.1"] * 20, b"") as idle:
+        refused = answered(idle, 12)
+        assert len(refused) == 12 and all(read_all(s, 2).startswith(b"HTTP/1.1 429") for s in refused)
+        with sourced("127.0.0.9") as kubelet:
+            assert kubelet.get(f"{metrics}/health").status_code == 200
+            page = kubelet.get(f"{metrics}/metrics")
+            assert metric_value(page.text, "tally_connections_refused_total", {"why": "client"}) >= 12
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_api_connections(tmp_path: Path) -> None:
+    """One key could hold all 4,096 API connections (120 s each, kept alive): a tenant's share is bounded once
+    it authenticates; its next connection is refused (429, closed, recorded as its) and other tenants are served."""
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"team-a {KEY_A}\nteam-b sk-team-b-0123456789abcdef\n")
+    records = tmp_path / "records.jsonl"
+    with runtime_process(tmp_path / "rt.log", "--api-keys-file", str(keys), "--max-connections-per-tenant", "3",
+                         "--usage-records-file", str(records)) as (_, url):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+        clients = [sourced(f"127.0.2.{i}") for i in range(1, 5)]  # one connection each, kept alive
+        try:
+            answers = [c.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+                       for c in clients]
+            assert [a.status_code for a in answers] == [200, 200, 200, 429]
+            assert answers[3].json()["error"]["code"] == "rate_limit_exceeded"
+            assert answers[3].headers["connection"] == "close"
+            with sourced("127.0.2.9") as other:
+                assert other.post(f"{url}/v1/completions", json=body,
+                                  headers={"Authorization": "Bearer sk-team-b-0123456789abcdef"}).status_code == 200
+            clients[0].close()  # a connection of its own let go: its share has room again
+            assert until(lambda: clients[3].post(f"{url}/v1/completions", json=body, headers={
+                "Authorization": f"Bearer {KEY_A}"}).status_code == 200, 10)
+        finally:
+            for client in clients:
+                client.close()
+        lines = [line for line in records.read_text().splitlines() if '"rate_limited"' in line]
+        assert lines and all('"tenant":"team-a"' in line for line in lines)

@@ -150,13 +150,30 @@ def test_only_an_acknowledgement_signed_by_the_operator_ends_the_drain(tmp_path:
 
 
 def test_a_signed_release_ends_the_wait_of_a_pod_whose_service_is_gone(tmp_path: Path) -> None:
+    """A release names the drain it ends: the pod's epoch and the nonce it made when its drain began (read from
+    it just before). One signed without them, or for another drain, is refused: a release read off the
+    plaintext metrics port once could otherwise end this pod's wait at any later drain."""
     operator = Ed25519PrivateKey.generate()
     with runtime_process(tmp_path / "rt.log", "--final-read-key", public(operator), "--pod-uid", "pod-a",
                          "--final-read-seconds", "120") as (proc, url), \
             httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        assert http.get("/internal/final-read").status_code == 409  # not draining: nothing to release
+        early, early_headers = signed(operator, {"podUid": "pod-a", "release": True, "epoch": 0, "nonce": "x"})
+        assert http.post("/internal/final-read", content=early, headers=early_headers).status_code == 409
         proc.send_signal(signal.SIGTERM)
         assert until(lambda: metric_value(http.get("/metrics").text, "tally_draining") == 1, 10)
-        body, headers = signed(operator, {"podUid": "pod-a", "release": True})
+        challenge = http.get("/internal/final-read").json()
+        assert challenge["podUid"] == "pod-a" and len(challenge["nonce"]) == 32
+        for stale in ({"podUid": "pod-a", "release": True},  # the old message: no epoch, no nonce
+                      {"podUid": "pod-a", "release": True, "epoch": challenge["epoch"], "nonce": "0" * 32},
+                      {"podUid": "pod-a", "release": True, "epoch": challenge["epoch"] + 1,
+                       "nonce": challenge["nonce"]}):
+            body, headers = signed(operator, stale)
+            refused = http.post("/internal/final-read", content=body, headers=headers)
+            assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_this_drain"
+        assert proc.poll() is None
+        body, headers = signed(operator, {"podUid": "pod-a", "release": True, **{
+            k: challenge[k] for k in ("epoch", "nonce")}})
         assert http.post("/internal/final-read", content=body, headers=headers).status_code == 200
         assert proc.wait(timeout=30) == 0
 

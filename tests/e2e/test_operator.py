@@ -46,6 +46,24 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
+def test_the_operators_metrics_are_open_to_the_monitoring_namespace_only(kubectl: Kubectl) -> None:
+    """Its /metrics names every namespace's tenants and usage: the chart's policy admits the monitoring
+    namespace to that port and nobody when none is named; the liveness port stays open for the kubelet."""
+    def policy(*values: str) -> dict[str, Any]:
+        rendered = subprocess.run(["helm", "template", "t", str(CHART), *values], check=True, env=kubectl.env,
+                                  capture_output=True, text=True).stdout
+        return next(o for o in yaml.safe_load_all(rendered) if o and o["kind"] == "NetworkPolicy")
+
+    closed = policy()
+    assert closed["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+    assert closed["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "t"
+    scraped = policy("--set", "networkPolicy.monitoringNamespace=monitoring")
+    metrics, health = scraped["spec"]["ingress"]
+    assert metrics["ports"] == [{"port": 9090, "protocol": "TCP"}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert health == {"ports": [{"port": 8080, "protocol": "TCP"}]}
+
+
 def test_the_chart_works_as_a_subchart_and_refuses_uncoordinated_replicas(kubectl: Kubectl, tmp_path: Any) -> None:
     """Inside an umbrella chart (which may set globals), and never several operators without peering."""
     umbrella = tmp_path / "platform"

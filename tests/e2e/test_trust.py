@@ -96,10 +96,10 @@ def test_the_api_server_refuses_a_completion_service_that_is_more_than_a_service
     kube("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(allowed))  # what a service may pass is taken
 
 
-def as_operator(kube: Kubectl, *args: str) -> subprocess.CompletedProcess[str]:
+def as_operator(kube: Kubectl, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """kubectl as the operator's ServiceAccount (impersonated: RBAC and admission see its user)."""
     return subprocess.run(["kubectl", "-n", str(kube.namespace), f"--as=system:serviceaccount:tally-system:{POLICY}",
-                           *args], capture_output=True, text=True, env=kube.env, timeout=60)
+                           *args], capture_output=True, text=True, env=kube.env, timeout=60, input=stdin)
 
 
 def test_the_operator_changes_only_what_it_owns_and_on_pods_only_the_deletion_cost(
@@ -119,9 +119,52 @@ def test_the_operator_changes_only_what_it_owns_and_on_pods_only_the_deletion_co
     assert ours.returncode == 0, ours.stderr  # its own child: allowed
 
 
+def test_the_operator_binds_only_the_pickers_role_to_the_pickers_account(operator: ChartOperator,
+                                                                          kube: Kubectl) -> None:
+    """A compromised operator may write RoleBindings (the picker's): the reach policy holds each to the chart's
+    picker ClusterRole and the one ServiceAccount named as the binding, so it cannot hand its own rights out."""
+    namespace = str(kube.namespace)
+
+    def binding(role: str, subjects: list[dict[str, str]]) -> str:
+        return json.dumps({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "chat-epp", "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "tally-operator"},
+                         "ownerReferences": [{"apiVersion": "serving.tally.dev/v1alpha1", "kind": "CompletionService",
+                                              "name": "chat", "uid": str(uuid.uuid4()), "controller": True}]},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": subjects})
+
+    picker_account = {"kind": "ServiceAccount", "name": "chat-epp", "namespace": namespace}
+    everyone = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:authenticated"}
+    # RBAC lets it bind the picker's role (and only that one) to any subject: the policy narrows the subject
+    for subjects in ([everyone], [picker_account, everyone], [{**picker_account, "name": "default"}]):
+        done = as_operator(kube, "create", "--dry-run=server", "-f", "-", stdin=binding(f"{POLICY}-epp", subjects))
+        assert done.returncode != 0 and "binds only the endpoint picker's ClusterRole" in done.stderr, subjects
+    own = as_operator(kube, "create", "--dry-run=server", "-f", "-", stdin=binding(POLICY, [picker_account]))
+    assert own.returncode != 0  # its own role: refused (by RBAC's escalation check or the policy, whichever first)
+    allowed = as_operator(kube, "create", "--dry-run=server", "-f", "-", stdin=binding(f"{POLICY}-epp",
+                                                                                      [picker_account]))
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_the_api_server_refuses_an_environment_the_platform_did_not_allow(operator: ChartOperator,
+                                                                         kube: Kubectl) -> None:
+    """Each of these ran the author's code: PATH found the author's `tally-runtime` on the model volume, and
+    OPENSSL_CONF made the runtime load the author's .so; on GPU nodes CC and Triton's caches are doors too."""
+    for name in ("OPENSSL_CONF", "CC", "TRITON_CACHE_DIR", "NCCL_NET_PLUGIN"):
+        refused = refused_on_apply(kube, forbidden(env=[{"name": name, "value": "/models/x"}]))
+        assert "spec.engine.env may set only" in refused, name
+    assert "PATH" in refused_on_apply(kube, forbidden(env=[{"name": "PATH", "value": "/models:/usr/bin"}]))
+    tuned = forbidden(env=[{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "OMP_NUM_THREADS", "value": "2"}])
+    kube("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(tuned))
+
+
 @pytest.mark.parametrize(("manifest", "reason"), [
     pytest.param(forbidden({"hostPath": {"path": "/etc"}}), "ForbiddenVolume", id="host-path"),
     pytest.param(forbidden(image="evil/runtime:1"), "ForbiddenImage", id="foreign-image"),
+    pytest.param(forbidden(env=[{"name": "OPENSSL_CONF", "value": "/models/openssl.cnf"}]), "ForbiddenEnv",
+                 id="openssl-conf"),
 ])
 def test_without_the_policy_the_operator_refuses_it_and_says_why(
         unbound: None, kube: Kubectl, manifest: dict[str, Any], reason: str) -> None:

@@ -337,3 +337,16 @@ def metric(text: str, name: str) -> float:
     """The sum of a metric's samples (every label set)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + " ", name + "{")))
+
+
+def test_deleting_a_service_releases_its_pods_from_a_final_read_nobody_will_book(
+        operator: ChartOperator, kube: Kubectl) -> None:
+    """With its CompletionService gone there is no ledger to book a final read into: the operator makes the pods
+    drain at once (deleting their Deployment) and releases each with a signed message naming its drain's nonce,
+    so they exit in seconds rather than waiting out their final-read budget (minutes)."""
+    kube.apply(service(replicas=2))
+    pods = serving_pods(kube, 2)
+    kube("delete", "completionservice", "smollm", "--wait=false")
+    names = {p["metadata"]["name"] for p in pods}
+    eventually(lambda: not names & {p["metadata"]["name"] for p in kube.json("get", "pods")["items"]}, 90,
+               interval=1, what="the deleted service's pods released and gone")

@@ -57,12 +57,25 @@ async def final_read(request: Request) -> Response:
     if key is not None and pod_uid and acknowledged.get("podUid") != pod_uid:
         return error_response(ApiError(403, "The acknowledgement names another pod", code="forbidden"))
     if acknowledged.get("release") is True:
-        request.app.state.drain.release()
+        if not request.app.state.drain.release(acknowledged):
+            return error_response(ApiError(409, "Not draining, or not this drain's nonce and epoch (GET this path "
+                                                "while the pod drains)", code="not_this_drain"))
         return json_response({"status": "released"})
     if not request.app.state.drain.acknowledge(acknowledged):
         return error_response(ApiError(409, "Not draining and idle, or these are not the final counters",
                                        code="not_final"))
     return json_response({"status": "acknowledged"})
+
+
+@router.get(contract.FINAL_READ_PATH)
+async def final_read_challenge(request: Request) -> Response:
+    """While draining: what a release must name (this pod, its counters' epoch, this drain's nonce)."""
+    drain = request.app.state.drain
+    if drain is None or not drain.nonce:
+        return error_response(ApiError(409, "Not draining", code="not_draining"))
+    server: Server = request.app.state.server
+    return json_response({"podUid": server.metrics.pod_uid, "epoch": server.metrics.totals.epoch,
+                          "nonce": drain.nonce})
 
 
 @router.post(contract.BUDGETS_PATH)

@@ -70,3 +70,30 @@ def test_records_name_the_service_a_meter_groups_by() -> None:
     assert (body["schema"], body["namespace"], body["service"]) == ("tally.usage.v1", "team-a", "chat")
     event = json.loads(named.to_cloudevent("/namespaces/team-a/completionservices/chat/pods/p"))
     assert event["data"]["namespace"] == "team-a" and event["data"]["service"] == "chat"
+
+
+def test_a_torn_record_whose_repair_also_fails_is_ended_before_the_next_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short write, then the disk full for the rest and for the repair newline too: the next record, once the
+    disk has room, starts on a line of its own (it was merged into the torn one)."""
+    path = tmp_path / "records.jsonl"
+    sink = RecordSink(stdout=False, path=str(path))
+    calls = {"n": 0}
+
+    def full_then_free(fd: int, data: bytes) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return REAL_WRITE(fd, data[:20])  # part of the record
+        if calls["n"] in (2, 3):  # the rest of it, and the newline that would end it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return REAL_WRITE(fd, data)
+
+    monkeypatch.setattr(records.os, "write", full_then_free)
+    sink.write(record("cmpl-1"))
+    sink.write(record("cmpl-2"))
+    sink.close()
+    first, second, end = path.read_bytes().split(b"\n")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(first)
+    assert json.loads(second)["id"] == "cmpl-2" and end == b""
+    assert sink.lost["file"] == 1
