@@ -109,8 +109,8 @@ class ActivatorMetrics:
         self.held = Gauge("tally_activator_held_requests", "Requests held now, waiting for a ready pod",
                           registry=self.registry)
         self.requests = Counter("tally_activator_requests", "Requests by outcome: forwarded after holding, "
-                                "relayed (a pod was ready), timeout, overflow, too_large, gone (the client left "
-                                "while held), upstream_error", ["outcome"], registry=self.registry)
+                                "relayed (a pod was ready), timeout, overflow, too_large, invalid, gone (the client "
+                                "left while held), upstream_error", ["outcome"], registry=self.registry)
         self.cold_start = Histogram("tally_activator_cold_start_seconds", "From a request held to its response's "
                                     "first byte from the pod", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
                                     registry=self.registry)
@@ -274,6 +274,9 @@ class Activator:
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP_BY_HOP]
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
+        if not path.startswith(b"/"):  # `OPTIONS *` or an absolute URI: nothing a pod serves (fuzzer's finding)
+            self.metrics.requests.labels("invalid").inc()
+            raise Refusal(400, "The request target must be a path", "invalid_request")
         url = self.settings.backend + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
         with self.slot():
             self._check_length(scope)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,26 +19,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from runtime_harness import free_port, metric_value, runtime_process, terminate, until, wait_healthy
+from runtime_harness import activator, free_port, metric_value, runtime_process, until
 
 MODEL = "smollm2-135m-instruct"
 STREAMS = 8
-
-
-@contextmanager
-def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[str, str]]:
-    port, metrics = free_port(), free_port()
-    log = tmp_path / f"activator-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "activate", "--service", "team/chat",
-                                 "--backend", f"http://127.0.0.1:{backend_port}", "--host", "127.0.0.1",
-                                 "--port", str(port), "--metrics-port", str(metrics), *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-    try:
-        wait_healthy(f"http://127.0.0.1:{metrics}", proc, log, deadline=60)
-        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
-    finally:
-        terminate(proc)
 
 
 @contextmanager
@@ -354,3 +336,13 @@ def test_forwarded_responses_close_their_connection_so_pooled_clients_leave(tmp_
                 assert response.status_code == 200 and response.headers["connection"] == "close"
             pool = client._transport._pool  # type: ignore[attr-defined]
             assert len(pool.connections) == 0, "a forwarded response's connection was kept for reuse"
+
+
+def test_a_request_target_that_is_no_path_is_a_400(tmp_path: Path) -> None:
+    """The fuzzer's finding: `GET *` made a backend URL httpx refuses, and the activator answered 500."""
+    with activator(tmp_path, free_port()) as (url, _):
+        sock = _raw(url)
+        sock.sendall(b"GET * HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(64).startswith(b"HTTP/1.1 400")
+        sock.close()

@@ -7,17 +7,13 @@ parameter, billed nothing, while /health keeps answering within a second and the
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from runtime_harness import metric_value, runtime_process
-
-HEALTH_BOUND_SECONDS = 1.0  # a kubelet probe's patience is 5 s; a loop held for 1 s is already a stall
+from runtime_harness import HEALTH_BOUND_SECONDS, HealthWatch, metric_value, runtime_process
 
 
 @pytest.fixture(scope="module")
@@ -25,35 +21,6 @@ def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str
     log = tmp_path_factory.mktemp("hostile") / "rt.log"
     with runtime_process(log, "--max-concurrent-generations", "2") as (proc, url):
         yield proc, url
-
-
-class HealthWatch:
-    """Polls /health while a request runs; `slowest` is the longest any answer took (or a failure's time)."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.slowest, self.failures = url, 0.0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                try:
-                    ok = client.get(f"{self.url}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.slowest = max(self.slowest, time.monotonic() - started)
-                self.failures += not ok
-                self._stop.wait(0.05)
 
 
 def chat(**extra: Any) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -130,3 +132,51 @@ def terminate(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+HEALTH_BOUND_SECONDS = 1.0  # a kubelet probe's patience is 5 s; a loop held for 1 s is already a stall
+
+
+class HealthWatch:
+    """Polls /health while a request runs; `slowest` is the longest any answer took (or a failure's time)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.slowest, self.failures = url, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    ok = client.get(f"{self.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.slowest = max(self.slowest, time.monotonic() - started)
+                self.failures += not ok
+                self._stop.wait(0.05)
+
+
+@contextmanager
+def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[str, str]]:
+    port, metrics = free_port(), free_port()
+    log = tmp_path / f"activator-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tally_runtime", "activate", "--service", "team/chat",
+                                 "--backend", f"http://127.0.0.1:{backend_port}", "--host", "127.0.0.1",
+                                 "--port", str(port), "--metrics-port", str(metrics), *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        wait_healthy(f"http://127.0.0.1:{metrics}", proc, log, deadline=60)
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
+    finally:
+        terminate(proc)
