@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from runtime_harness import HEALTH_BOUND_SECONDS, HealthWatch, activator, free_port, runtime_process
 
@@ -152,7 +152,11 @@ def test_structured_requests_never_hurt_the_runtime(watched: tuple[Any, str, Hea
     assert proc.poll() is None, f"the runtime died on {json.dumps(body)[:500]}"
     assert answer.status_code < 500, f"{answer.status_code} {answer.text[:300]} for {json.dumps(body)[:500]}"
     if answer.status_code >= 400:
-        assert answer.json()["error"]["type"] == "invalid_request_error"
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        event(f"{answer.status_code} {error.get('param')}: {error['message'][:40]}")  # --hypothesis-show-statistics
+    else:
+        event(f"{answer.status_code}")
     assert health.slowest < HEALTH_BOUND_SECONDS, f"/health took {health.slowest:.2f}s after {json.dumps(body)[:300]}"
 
 

@@ -105,6 +105,30 @@ def test_a_control_token_in_a_tool_definition_is_still_refused(runtime: tuple[An
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "tools"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_with_no_way_on_ends_the_choice_with_an_error_and_the_pod_lives_on(
+        runtime: tuple[Any, str], stream: bool) -> None:
+    """The fuzzer's finding: a `const` holding a control character becomes a grammar state no token of the
+    vocabulary continues, and llama.cpp threw through ctypes on the next step (the process aborted, every stream
+    on the pod with it). The generation now stops before that step: an error for this request, what it generated
+    billed, and the next request served."""
+    proc, url = runtime
+    body = chat(stream=stream, **schema_format({"const": "a\u001db"}))
+    before = httpx.get(f"{url}/metrics").text
+    for _ in range(5):  # it aborted within the first few tries
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        if stream:
+            assert answer.status_code == 200 and '"error"' in answer.text and answer.text.endswith("data: [DONE]\n\n")
+        else:
+            assert answer.status_code == 400 and "cannot write" in answer.json()["error"]["message"]
+        assert proc.poll() is None
+    after = httpx.get(f"{url}/metrics").text
+    assert metric_value(after, "tally_requests_total", {"outcome": "error"}) == \
+        metric_value(before, "tally_requests_total", {"outcome": "error"}) + 5
+    assert metric_value(after, "tally_completion_tokens_total") > metric_value(before, "tally_completion_tokens_total")
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat(), timeout=60).status_code == 200
+
+
 def test_a_schema_within_bounds_still_constrains_the_output(runtime: tuple[Any, str]) -> None:
     _, url = runtime
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],

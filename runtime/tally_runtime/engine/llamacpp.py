@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import ctypes
 import importlib.util
 import logging
 import random
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ class LlamaCppEngine:
         self._health = Health(False, "engine is starting")
         self._template: Any = None
         self._controls: frozenset[str] = frozenset()
+        self._few: tuple[int, ...] = ()
         self._running: dict[threading.Thread, threading.Event] = {}  # generation thread -> its cancel flag
         self._cancels: dict[str, threading.Event] = {}  # request id -> its cancel flag, while it runs
         self._stopping = False
@@ -121,6 +123,9 @@ class LlamaCppEngine:
         self._controls = frozenset(
             text for t in range(first.n_vocab()) if llama_cpp.llama_vocab_get_attr(vocab, t) & parsed_if_special
             and (text := bytes(llama_cpp.llama_vocab_get_text(vocab, t)).decode("utf-8", errors="replace")))
+        # what a grammar guard asks about first: tokens of one byte, and the end of generation
+        self._few = tuple(sorted(self._eog | {t for t in range(first.n_vocab())
+                                              if len(first.detokenize([t], special=False)) == 1}))
         template = first.metadata.get("tokenizer.chat_template")
         if template:
             eos = first.detokenize([first.token_eos()], special=True).decode()
@@ -231,6 +236,8 @@ class LlamaCppEngine:
             try:
                 for delta in self._run(llama, request, cancel):
                     emit(delta)
+            except EngineError as error:  # the request's own (a grammar with no way on), with what it generated
+                emit(error)
             except Exception:  # the engine's failure, reported on this request only; its words stay in the log
                 log.exception("llama.cpp failed generating %s", request.request_id)
                 emit(EngineError("The engine failed while generating"))
@@ -265,11 +272,13 @@ class LlamaCppEngine:
         step = _Step()
         generated = [0]
         hook = self._logits_hook(params, step, generated)
-        grammar = None
+        grammar = guard = None
         if params.json_schema is not None:  # the grammar compiler took this schema at admission (grammar.py)
             from llama_cpp.llama_grammar import LlamaGrammar
 
-            grammar = LlamaGrammar.from_string(gbnf(params.json_schema), verbose=False)
+            text = gbnf(params.json_schema)
+            grammar = LlamaGrammar.from_string(text, verbose=False)
+            guard = GrammarGuard(llama, text, self._few)
         tokens = llama.generate(
             prompt, top_k=max(params.top_k, 0), top_p=params.top_p, min_p=0.0, typical_p=1.0,
             temp=params.temperature, repeat_penalty=params.repetition_penalty,
@@ -281,8 +290,13 @@ class LlamaCppEngine:
         room = self.context_length - len(prompt)
         try:
             while True:
+                if guard is not None and not guard.can_continue():
+                    raise guard.dead_end(Delta(prompt_tokens=len(prompt), cached_tokens=cached,
+                                               completion_tokens=generated[0], finish_reason=FinishReason.STOP))
                 with self._step_lock:
                     token = None if cancel.is_set() else int(next(tokens))
+                if guard is not None and token is not None:
+                    guard.accept(token)
                 if token is None:  # aborted: the last word is what was generated (nothing before prefill)
                     ran = generated[0] > 0
                     yield Delta(prompt_tokens=len(prompt) if ran else None, cached_tokens=cached if ran else None,
@@ -306,6 +320,8 @@ class LlamaCppEngine:
                     return
         finally:
             tokens.close()
+            if guard is not None:
+                guard.close()
 
     def _logits_hook(self, params: SamplingParams, step: _Step,
                      generated: list[int]) -> Callable[[Any, np.ndarray], np.ndarray] | None:
@@ -344,6 +360,65 @@ class LlamaCppEngine:
         if token in self._eog:
             return ""
         return bytes(llama.detokenize([token])).decode("utf-8", errors="replace")
+
+
+class GrammarGuard:
+    """A second copy of a generation's grammar, fed every token the first one accepted, that tells before each step
+    whether any token can continue the output. llama.cpp's grammar sampler throws a C++ exception, which ends the
+    whole process, when it has to accept a token in a state that allows none; a schema can lead there (the fuzzer
+    found a `const` with a control character: the converter writes its JSON escape into a GBNF literal, where it
+    means the raw character, which no token of this vocabulary spells). The generation then ends before that
+    step, with an error the client sees and what was generated billed. Costs one more pass of the grammar over
+    the tokens per step, for constrained outputs only: first over the few that nearly always include a way on
+    (single characters and the end of generation; a pass over them is cheap), over the whole vocabulary only when
+    none of those fits."""
+
+    def __init__(self, llama: Any, grammar: str, few: Sequence[int]) -> None:
+        from llama_cpp import llama_cpp
+
+        self._lib = llama_cpp
+        self._sampler = llama_cpp.llama_sampler_init_grammar(llama._model.vocab, grammar.encode(), b"root")
+        self._few = _Candidates(llama_cpp, few)
+        self._all = _Candidates(llama_cpp, range(llama.n_vocab()))
+
+    def can_continue(self) -> bool:
+        if not self._sampler:  # the grammar did not parse here: the first one would have failed to start
+            return True
+        return self._few.any_allowed(self._sampler) or self._all.any_allowed(self._sampler)
+
+    def accept(self, token: int) -> None:
+        if self._sampler:
+            self._lib.llama_sampler_accept(self._sampler, token)
+
+    @staticmethod
+    def dead_end(generated: Delta) -> EngineError:
+        error = EngineError("The constrained output reached text this model cannot write (no token of its "
+                            "vocabulary continues it): the response_format or tool schema cannot be met", 400)
+        error.final = generated
+        return error
+
+    def close(self) -> None:
+        if self._sampler:
+            self._lib.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+
+class _Candidates:
+    """A fixed set of tokens as llama.cpp's candidate array, to ask a grammar which of them it allows."""
+
+    def __init__(self, lib: Any, ids: Iterable[int]) -> None:
+        self._lib = lib
+        self._template = (lib.llama_token_data * len(ids_ := list(ids)))(*((t, 0.0, 0.0) for t in ids_))
+        self._work = (lib.llama_token_data * len(ids_))()
+        self._logits = np.frombuffer(self._work, dtype=np.dtype(
+            [("id", np.intc), ("logit", np.single), ("p", np.single)], align=True))["logit"]
+        self._array = lib.llama_token_data_array(self._work, len(ids_), -1, False)
+
+    def any_allowed(self, grammar: Any) -> bool:
+        ctypes.memmove(self._work, self._template, ctypes.sizeof(self._work))
+        self._array.size, self._array.selected, self._array.sorted = len(self._work), -1, False
+        self._lib.llama_sampler_apply(grammar, ctypes.byref(self._array))
+        return bool(np.isfinite(self._logits[: self._array.size]).any())
 
 
 # llama-cpp-python's copy of the converter lets a JSON string hold raw control characters (`[^"\\]`), which
