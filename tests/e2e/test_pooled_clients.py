@@ -83,7 +83,7 @@ def test_pooled_sdk_clients_see_no_failure_through_a_rollout_and_a_scale_down(
     ip = reachable_cluster_ip(kube, "smollm", 8000)
     with PooledLoad(f"http://{ip}:8000/v1") as load:
         eventually(lambda: load.served() >= 10, 120, interval=0.5, what="a steady load")
-        manifest["spec"]["engine"]["env"] = [{"name": "ROLLOUT", "value": "1"}]  # a new pod template: a rollout
+        manifest["spec"]["engine"]["env"] = [{"name": "TZ", "value": "UTC"}]  # a new pod template: a rollout
         kube.apply(manifest)
 
         def rolled_out() -> bool:

@@ -13,9 +13,11 @@ RELEASE = "tally-operator"
 NAMESPACE = "tally-system"
 METRICS_PORT = 9090  # the chart's default metrics.port
 OPERATOR_REPLICAS = 2  # the e2e session's operator: two pods, peering
-# Fast intervals, and a policy widened for what the suite needs: kwok's taint and the contract fake's image.
+# Fast intervals, and a policy widened for what the suite needs: kwok's taint, the contract fake's image and its
+# environment (FAKE_SGLANG_*; a list set here replaces the chart's, so it names the defaults the suite uses)
 SUITE_SETTINGS = ("statusIntervalSeconds=1", "reconcileIntervalSeconds=3",
                   "policy.allowedTolerationKeys={kwok.x-k8s.io/node}", "policy.allowedImages={tally-runtime-fakes:*}",
+                  "policy.allowedEnvNames={NCCL_DEBUG,OMP_NUM_THREADS,TZ,FAKE_SGLANG_*}",
                   "inferencePool.pickerImage=localhost/tally-epp:v1.5.0")  # built by make images
 
 
