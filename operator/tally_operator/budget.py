@@ -34,12 +34,10 @@ import calendar
 import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from tally_operator.samples import Counters
-
-if TYPE_CHECKING:  # usage.py -> status.py -> spec.py imports this module
-    from tally_operator.usage import Ledger, Reading
+from tally_operator.usage import MAX_LEDGER_TENANTS, Ledger, Reading
+from tally_runtime.contract import OTHER_TENANT
 
 WARN_AT = 0.8  # an Event when a tenant's spend crosses this share of its budget, and at 100 %
 
@@ -88,6 +86,10 @@ class BudgetState:
     seq: int = 0  # the number of the last lease messages sent
 
 
+UNTRACKED_LEDGER = f"the service's ledger holds {MAX_LEDGER_TENANTS} tenants already"
+UNTRACKED_PLAN = "the budgets plan at most {} tenants a service"
+
+
 @dataclass(frozen=True, slots=True)
 class TenantView:
     budget: int
@@ -133,7 +135,17 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
     wanted, reports = wanted or {}, reports or {}
     asked = {t for tenants in wanted.values() for t in tenants}
     known = set(after.tenants) | asked | {t for lease in state.leases.values() for t in lease.allowances}
-    budgeted = sorted(set(config.tenants) | (known if config.default is not None else set()))[:MAX_ENTRIES]
+    # Fail closed: a tenant whose spend the ledger cannot keep apart (it would be booked to `other`) or that the
+    # plan cannot hold is never granted anything; its pods refuse it, saying why (never a fresh allowance)
+    untracked = dict.fromkeys(sorted(t for t in known | set(config.tenants)
+                                     if t != OTHER_TENANT and t not in after.tenants and _ledger_full(after)),
+                              UNTRACKED_LEDGER)
+    # The spec's own tenants first (never cut by names a pod asks for), then the others a default covers
+    listed = sorted(t for t in config.tenants if t not in untracked)
+    others = sorted(t for t in (known if config.default is not None else set()) - set(config.tenants)
+                    if t not in untracked)
+    budgeted = (listed + others)[:MAX_ENTRIES]
+    untracked.update(dict.fromkeys((listed + others)[MAX_ENTRIES:], UNTRACKED_PLAN.format(MAX_ENTRIES)))
     leases = dict(state.leases)
     # Leases of pods that left the ledger or began again: what they may have spent unread is lost for the period
     for uid, lease in sorted(state.leases.items()):
@@ -200,7 +212,8 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                        else 0) for t, v in counts[uid].items()}
         leases[uid] = PodLease(reading.epoch, kept, starter, seq)
         messages[uid] = _message(uid, reading.epoch, seq, config, allowances, starter, len(grants), period_end,
-                                 views)
+                                 views, {t: why for t, why in untracked.items()
+                                         if t in config.tenants or t in wanted.get(uid, frozenset())})
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
                     if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
     return Planned(BudgetState(period, start, lost, leases, seq), views, messages, crossed)
@@ -234,22 +247,34 @@ def _active(uid: str, tenant: str, reading: Reading, leases: Mapping[str, PodLea
 
 
 def _message(uid: str, epoch: float, seq: int, config: BudgetConfig, allowances: Mapping[str, int],
-             starter: int | None, pods: int, period_end: float, views: Mapping[str, TenantView]) -> dict[str, object]:
+             starter: int | None, pods: int, period_end: float, views: Mapping[str, TenantView],
+             untracked: Mapping[str, str]) -> dict[str, object]:
     """What the pod is told: every tenant it has an allowance for, every listed tenant (one with a budget but
-    no allowance here gets 0 and asks), and what a tenant not listed gets (`starter`)."""
+    no allowance here gets 0 and asks), what a tenant not listed gets (`starter`), and the tenants it asked for
+    or lists whose books cannot be kept (refused, with why). A listed tenant never gets `allowance: None`."""
     def rate(tenant: str | None) -> int | None:
         budget = config.of(tenant) if tenant is not None else config.default
         return None if budget is None or budget.tokens_per_minute is None else budget.tokens_per_minute // pods
 
-    tenants: dict[str, dict[str, int | bool | None]] = {}
-    for tenant in sorted(set(allowances) | set(config.tenants)):
+    tenants: dict[str, dict[str, int | str | None]] = {}
+    for tenant in sorted(set(allowances) | set(config.tenants) | set(untracked)):
         view = views.get(tenant)
-        allowance = allowances.get(tenant, 0 if view is not None else None)
+        if tenant in untracked:
+            tenants[tenant] = {"allowance": 0, "tokensPerMinute": rate(tenant), "unspent": 0,
+                               "untracked": untracked[tenant]}
+            continue
+        budget = config.of(tenant)
+        listed = budget is not None and budget.monthly_tokens is not None
+        allowance = allowances.get(tenant, 0 if view is not None or listed else None)
         tenants[tenant] = {"allowance": allowance, "tokensPerMinute": rate(tenant),
                            "unspent": view.unspent if view is not None else None}
     return {"podUid": uid, "epoch": epoch, "seq": seq, "count": config.count, "periodEnd": period_end,
             "tenants": tenants,
             "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
+
+
+def _ledger_full(ledger: Ledger) -> bool:
+    return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants) >= MAX_LEDGER_TENANTS
 
 
 def _spent_before(state: BudgetState, before: Ledger, tenant: str, config: BudgetConfig) -> int:

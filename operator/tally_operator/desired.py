@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tally_operator import constants as c
+from tally_operator.samples import MAX_TENANTS_PER_POD
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec
 
@@ -88,8 +89,8 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
         # $(POD_NAME) is the pod's own name (downward API), expanded by the kubelet
         args += ["--usage-records-format", "cloudevents",
                  f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]
-    if spec.budgets is not None:
-        args.append("--budgets")
+    if spec.budgets is not None:  # every tenant a pod may be sent counted apart (a tenant past it is refused)
+        args += ["--budgets", "--max-tenants", str(MAX_TENANTS_PER_POD)]
     if spec.records_url:  # spooled next to the journal, on the pod's volume
         args += ["--usage-records-url", spec.records_url]
         if spec.records_format != "cloudevents":

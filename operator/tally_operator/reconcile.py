@@ -64,6 +64,7 @@ from tally_operator.desired_pool import (
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
 from tally_operator.observations import Observations
+from tally_operator.pods import is_ready
 from tally_operator.policy import check_policy
 from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import Call, post_all, scrape
@@ -72,7 +73,6 @@ from tally_operator.signing import Signer
 from tally_operator.spec import Spec, SpecError, check_name, parse_spec
 from tally_operator.status import (
     invalid_verdicts,
-    is_ready,
     observed_fields,
     unschedulable_message,
     workload_verdicts,
@@ -239,12 +239,21 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
                 more_fields["autoscaling"] |= scraped.held.status(time.monotonic() - scraped.scaling.active_at)
             more_verdicts.append(scaling_verdict(scraped.decision))
         return Observed(generation, more_verdicts, more_fields, scraped.round if scraped else None,
-                        spec.max_mismatch_ratio, spec.budgets, spec.budgets is None,
-                        frozenset(serving_uids(pods))), scraped
+                        spec.max_mismatch_ratio, spec.budgets, frozenset(serving_uids(pods)),
+                        keep=kept_status(spec)), scraped
 
     landed_round = await commit(ctx, body, memory, obj, observe)
     if landed_round is not None and landed_round.decision is not None:
         await rescale(ctx, body, meta, spec, memory, landed_round, pods)
+
+
+def kept_status(spec: Spec) -> frozenset[str]:
+    """What a pass keeps of the persisted status when it does not write it anew: the ledger always, and what
+    the features that are on wrote (a scrape round writes autoscaling's; another pass keeps it). The status of a
+    feature switched off goes."""
+    return frozenset({"usage", *(["budgets"] if spec.budgets is not None else []),
+                      *(["autoscaling"] if spec.autoscaling is not None else []),
+                      *(["routing"] if spec.pool is not None else [])})
 
 
 async def decided_replicas(ctx: Context, meta: Mapping[str, str], config: Autoscaling) -> int:
@@ -412,8 +421,8 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
             memory.observations = planned.observations
             return scraped
         try:
-            await asyncio.to_thread(ctx.kube.patch_status, c.API_VERSION, c.KIND, meta["name"], meta["namespace"],
-                                    planned.status, str(meta["resourceVersion"]))
+            await asyncio.to_thread(ctx.kube.replace_status, c.API_VERSION, c.KIND, meta["name"],
+                                    meta["namespace"], planned.status, str(meta["resourceVersion"]))
         except KubeError as error:
             if not error.conflict:
                 raise

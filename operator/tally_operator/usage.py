@@ -34,8 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tally_operator.pods import is_ready
 from tally_operator.samples import MAX_COUNT, MAX_TENANTS_PER_POD, TENANT_FIELDS, Counters, PodSample, stream_mode
-from tally_operator.status import is_ready
 from tally_runtime.contract import OTHER_TENANT
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -277,7 +277,8 @@ def ledger_status(ledger: Ledger) -> dict[str, object]:
              **({"tenants": _pod_tenants_status(r.tenants)} if r.tenants is not None else {})}
             for uid, r in sorted(ledger.readings.items())]
     return {**_counters_status(ledger.totals), "podsUnaccounted": ledger.unaccounted, "sequence": ledger.sequence,
-            "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods}
+            "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods,
+            **({} if ledger.complete else {"complete": False})}
 
 
 def round_status(round_: Round, scraped_at: str) -> dict[str, object]:
@@ -307,5 +308,6 @@ def ledger_from_status(usage: Mapping[str, object]) -> Ledger:
     return Ledger(readings=readings, totals=totals,
                   unaccounted=unaccounted if isinstance(unaccounted, int) else 0,
                   sequence=sequence if isinstance(sequence, int) else 0,
-                  complete=not usage or isinstance(raw_pods, list), tenants=tenants,
+                  complete=(not usage or isinstance(raw_pods, list)) and usage.get("complete") is not False,
+                  tenants=tenants,
                   tenants_folded=folded if isinstance(folded, int) else 0)

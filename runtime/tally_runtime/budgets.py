@@ -57,6 +57,7 @@ class Lease:
     tokens_per_minute: float | None = None  # this pod's share of the rate (None: no rate limit)
     unspent: float | None = None  # what the tenant had left of its budget when the message was made
     counter_at: float = 0.0  # the tenant's counter here when the message was applied
+    untracked: str = ""  # why the operator cannot keep this tenant's books (its ledger is full): refused, never free
 
 
 @dataclass(slots=True)
@@ -95,6 +96,8 @@ class Budgets:
             self._refuse(tenant, RATE_CODE, "No token allowance has been granted to this replica yet; retry "
                                             "shortly", limit=0, remaining=0, reset=1.0)
         lease = self.lease(tenant)
+        if lease.untracked:
+            self.refuse_untracked(tenant, lease.untracked)
         reserved = self.reserved.get(tenant, 0.0)
         if lease.allowance is not None:
             counter = self.counter(tenant)
@@ -123,6 +126,11 @@ class Budgets:
             recent.append(reservation)
         self.reserved[tenant] = reserved + tokens
         return reservation
+
+    def refuse_untracked(self, tenant: str, why: str) -> None:
+        """A tenant whose spend cannot be booked is refused (a budget that cannot count fails closed)."""
+        self._refuse(tenant, QUOTA_CODE, f"This tenant's usage cannot be tracked ({why}), so no budget can cover it",
+                     limit=0, remaining=0, reset=max(1.0, self.period_end - time.time()) if self.period_end else 60.0)
 
     def settle(self, reservation: Reservation, billed: float) -> None:
         """The request ended (its usage already counted): return its reservation, and in the rate window
@@ -217,8 +225,11 @@ def _lease(raw: object, counter: float) -> Lease:
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0
                                   or not math.isfinite(value)):
             raise ValueError("allowance, tokensPerMinute and unspent must be non-negative numbers")
+    untracked = raw.get("untracked") or ""
+    if not isinstance(untracked, str):
+        raise ValueError("untracked must be a string")
     return Lease(None if allowance is None else float(allowance), None if rate is None else float(rate),
-                 None if unspent is None else float(unspent), counter)
+                 None if unspent is None else float(unspent), counter, untracked[:200])
 
 
 def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, count: str) -> float:

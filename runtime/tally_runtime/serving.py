@@ -87,7 +87,10 @@ class Server:
             return None
         tokens = reservation_tokens([len(p) for p in job.prompts], job.n, job.sampling.max_tokens,
                                     self.budgets.count)
-        return self.budgets.reserve(self.metrics.tenant_label(tenant.name), tokens)
+        if self.metrics.tenant_label(tenant.name) != tenant.name:  # it would be counted under `other`: untracked
+            self.budgets.refuse_untracked(tenant.name, f"this replica counts at most {self.metrics.max_tenants} "
+                                                       "tenants")
+        return self.budgets.reserve(tenant.name, tokens)
 
     def return_reservation(self, reservation: Reservation | None, usage: RequestUsage | None) -> None:
         """After the request's usage was counted: its reservation returned, what it spent is in the counter."""

@@ -203,3 +203,60 @@ def test_a_status_pass_on_a_new_generation_applies_it_before_claiming_it(writers
     assert args[args.index("--context-length") + 1] == "1024"
     assert kube.json("get", "completionservice", "books")["status"]["observedGeneration"] == body["metadata"][
         "generation"] == 2
+
+
+def test_a_status_key_a_pass_does_not_write_is_gone_once_its_feature_is(writers: str, kube: Kubectl) -> None:
+    """The status is written whole: a JSON merge patch kept every key it did not name, so the status of a
+    feature switched off stayed (and was rewritten every pass), a map's names were never dropped (status.budgets
+    grew with every tenant ever asked for, until etcd refused every write and the ledger stopped) and `{}`
+    deleted nothing. Read back through the real API server."""
+    body = create(kube)
+    operator, pod = Operator(writers), Pod()
+    pod.serve(5)
+
+    def observing_with(fields: dict[str, Any], keep: frozenset[str] | None) -> Observe:
+        async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+            round_ = Round({pod.uid: pod.sample()}, present=frozenset([pod.uid]))
+            return Observed(1, [], fields, round_, keep=keep), Scraped(round_, {}, {})
+        return observe
+
+    asyncio.run(operator.pass_on(body, observing_with(
+        {"autoscaling": {"desiredReplicas": 3}, "routing": {"inferencePool": "books"}}, frozenset({"usage"}))))
+    written = kube.json("get", "completionservice", "books")["status"]
+    assert written["autoscaling"] == {"desiredReplicas": 3} and written["routing"]["inferencePool"] == "books"
+    # a pass that keeps autoscaling's status but no longer routes: routing goes, autoscaling and the ledger stay
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
+                                 observing_with({}, frozenset({"usage", "autoscaling"}))))
+    written = kube.json("get", "completionservice", "books")["status"]
+    assert "routing" not in written and written["autoscaling"] == {"desiredReplicas": 3}
+    assert written["usage"]["completionTokens"] == 5
+    # a pass on an invalid spec cannot tell which features are on: it keeps every key
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing_with({}, None)))
+    assert kube.json("get", "completionservice", "books")["status"]["autoscaling"] == {"desiredReplicas": 3}
+
+
+def test_a_ledger_still_taking_its_baseline_says_so_after_its_write(writers: str, kube: Kubectl) -> None:
+    """After an upgrade from a status without per-pod readings the ledger is a baseline until every counted pod
+    has one: that `complete: false` must survive the write (it was read back as complete, and a pod read first
+    afterwards was booked whole, counted twice)."""
+    create(kube)
+    kube("patch", "completionservice", "books", "--subresource=status", "--type=merge", "-p",
+         '{"status": {"usage": {"requests": 9, "completionTokens": 90}}}')
+    operator, read, unread = Operator(writers), Pod(), Pod()
+    read.serve(100)
+    unread.serve(40)
+
+    async def one_read_one_failed(_: Any) -> tuple[Observed, Scraped | None]:
+        round_ = Round({read.uid: read.sample()}, failed=frozenset([unread.uid]),
+                       present=frozenset([read.uid, unread.uid]))
+        return Observed(1, [], {}, round_, keep=frozenset({"usage"})), Scraped(round_, {}, {})
+
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), one_read_one_failed))
+    assert usage(kube)["complete"] is False and usage(kube)["completionTokens"] == 90  # a baseline, nothing new
+    unread.serve(2)
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
+                                 observing([read, unread])))
+    assert usage(kube)["completionTokens"] == 90 and "complete" not in usage(kube)  # both baselines now: complete
+    read.serve(3)
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing([read, unread])))
+    assert usage(kube)["completionTokens"] == 93

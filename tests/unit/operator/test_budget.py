@@ -296,3 +296,45 @@ def test_a_round_is_planned_the_same_whatever_the_hash_seed() -> None:
                              capture_output=True, text=True, check=True, timeout=60).stdout
               for seed in range(1, 7)}
     assert len(orders) == 1 and "pod-0" in orders.pop()
+
+
+def full_ledger(extra: dict[str, Counters] | None = None) -> Ledger:
+    """A ledger holding its bound of named tenants (each spent a little), as after a busy month."""
+    from tally_operator.usage import MAX_LEDGER_TENANTS
+
+    tenants = {f"t{i:04d}": Counters(requests=1, prompt_tokens=1, completion_tokens=1)
+               for i in range(MAX_LEDGER_TENANTS)}
+    return Ledger(readings={"p0": Reading(Counters(), 1.0, False, {})}, tenants={**tenants, **(extra or {})})
+
+
+def test_a_tenant_the_full_ledger_cannot_keep_apart_is_never_granted_anything() -> None:
+    """The 1,001st tenant was booked to `other`; the planner read its spend (none) from the tenant map and
+    granted it a whole budget every round: 12x its month in 3 minutes. Now its pods are told it is untracked."""
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=100))
+    ledger = full_ledger()
+    state: dict[str, Any] = {}
+    for _ in range(5):
+        planned = plan_budgets(config, ledger, ledger, state_from_status(state), frozenset({"p0"}), NOW,
+                               {"p0": frozenset({"latecomer"})})
+        state = round_trip(budgets_status(planned, config))
+        told = planned.messages["p0"]["tenants"]["latecomer"]  # type: ignore[index]
+        assert told["allowance"] == 0 and told["unspent"] == 0 and "ledger holds 1000" in told["untracked"]
+        assert "latecomer" not in planned.tenants
+        assert all("latecomer" not in lease["tenants"] for lease in state["leases"])
+
+
+def test_a_listed_tenant_is_never_told_it_has_no_budget() -> None:
+    """A listed tenant that sorted after the plan's cut was sent `allowance: None`, which a pod reads as no budget
+    (a 50M-token request admitted against 1,000); a pod naming 2,000 made-up tenants made the cut. Listed tenants
+    come first now, and a tenant past the cut is told it is untracked, never unlimited."""
+    from tally_operator.budget import MAX_ENTRIES
+
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=10), {"zzz-listed": TenantBudget(monthly_tokens=1000)})
+    ledger = Ledger(readings={"p0": Reading(Counters(), 1.0, False, {})})
+    flood = frozenset(f"made-up-{i:05d}" for i in range(MAX_ENTRIES + 500))
+    planned = plan_budgets(config, ledger, ledger, state_from_status({}), frozenset({"p0"}), NOW, {"p0": flood})
+    tenants = planned.messages["p0"]["tenants"]
+    assert isinstance(tenants, dict)
+    assert tenants["zzz-listed"]["allowance"] is not None and "untracked" not in tenants["zzz-listed"]
+    assert all(entry["allowance"] is not None for entry in tenants.values())
+    assert sum("untracked" in entry for entry in tenants.values()) >= 500
