@@ -15,9 +15,12 @@ from typing import Any
 import kopf
 
 from tally_operator import constants as c
+from tally_operator.context import Context, ServiceMemory
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, ServiceMemory, held_now, reconcile, release_pods
+from tally_operator.reconcile import reconcile
+from tally_operator.release import release_pods
+from tally_operator.scaling import held_now
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
 

@@ -21,9 +21,11 @@ from kube_harness import ROOT, Kubectl, eventually
 from operator_harness import NAMESPACE, RELEASE
 
 from tally_operator.bookkeeping import Observed
+from tally_operator.books import Observe, commit
+from tally_operator.context import Context, Scraped, ServiceMemory
 from tally_operator.kube import Kube
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, Observe, Scraped, ServiceMemory, commit, reconcile
+from tally_operator.reconcile import reconcile
 from tally_operator.samples import Counters, PodSample
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from tally_operator import constants as c
-from tally_operator import reconcile
+from tally_operator import scaling as scaling_pass
 from tally_operator.activation import Held, parse_held
 from tally_operator.autoscale import Autoscaling, Decision, zero_step
+from tally_operator.context import Scaling, Scraped
 from tally_operator.desired import (
     desired_activator,
     desired_backend_service,
@@ -19,8 +20,8 @@ from tally_operator.desired import (
     desired_service,
     routes_to_activator,
 )
-from tally_operator.reconcile import Scaling, Scraped, autoscale
 from tally_operator.samples import Counters, PodSample
+from tally_operator.scaling import autoscale
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import parse_spec
 from tally_operator.usage import Round
@@ -65,7 +66,7 @@ def sample(requests: float, running: float = 0.0) -> PodSample:
 def test_one_pod_goes_to_zero_after_a_grace_of_no_traffic_and_any_traffic_restarts_the_grace(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: clock[0])
     scaling = Scaling(since=0.0, active_at=1000.0)
     decisions: list[tuple[int, str]] = []
     # seconds 0-40 a request now and then (the counter moves), one running at 40; then nothing at all
@@ -82,7 +83,7 @@ def test_one_pod_goes_to_zero_after_a_grace_of_no_traffic_and_any_traffic_restar
 
 
 def test_a_pod_not_read_or_a_held_request_is_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: 5000.0)
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: 5000.0)
     idle = Scaling(since=0.0, active_at=0.0, requests_seen={"p": 3.0})
     unread = autoscale(ZERO, 1, [pod("p")], Scraped(Round({}, frozenset({"p"})), {}, {}, held=Held()), idle)
     held = autoscale(ZERO, 1, [pod("p")], Scraped(Round({"p": sample(3.0)}, frozenset()), {}, {},
