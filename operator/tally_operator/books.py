@@ -28,7 +28,6 @@ from tally_operator.kube import KubeError
 from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import Call, post_all, scrape
 from tally_operator.signing import Signer
-from tally_operator.spec import Spec
 from tally_operator.usage import (
     MAX_LEDGER_TENANTS,
     Round,
@@ -52,8 +51,8 @@ def fixed(observed: Observed) -> Observe:
 
     return observe
 
-def scrape_due(memory: ServiceMemory, spec: Spec) -> bool:
-    if time.monotonic() - memory.scraped_at < spec.scrape_interval_seconds:
+def scrape_due(memory: ServiceMemory, interval: float) -> bool:
+    if time.monotonic() - memory.scraped_at < interval:
         return False
     memory.scraped_at = time.monotonic()
     return True
@@ -142,6 +141,13 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
                                                f"{MAX_LEDGER_TENANTS} were booked to tenant 'other' (the totals "
                                                "are unaffected)")
     if planned.budgets is not None:
+        pending = planned.budgets.pending_count
+        if pending and memory.budget_notice != pending:
+            post(body, "Warning", "BudgetCountDeferred",
+                 f"spec.budgets.count is {pending}, but {planned.budgets.state.period} is counted in "
+                 f"{planned.budgets.state.count}: the month's spend cannot be carried into another count, so the "
+                 f"change applies from the next month")
+        memory.budget_notice = pending
         for tenant, mark in planned.budgets.crossed:
             post(body, "Warning" if mark >= 1 else "Normal", "BudgetExhausted" if mark >= 1 else "BudgetWarning",
                  f"Tenant {tenant} has spent {mark:.0%} of its budget for {planned.budgets.state.period}")

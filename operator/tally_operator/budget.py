@@ -84,6 +84,7 @@ class BudgetState:
     lost: Mapping[str, int] = field(default_factory=dict)  # tenant -> leases that ended unread this period
     leases: Mapping[str, PodLease] = field(default_factory=dict)  # pod uid -> its lease
     seq: int = 0  # the number of the last lease messages sent
+    count: str = ""  # the count in force this period (a change in the spec applies from the next period)
 
 
 UNTRACKED_LEDGER = f"the service's ledger holds {MAX_LEDGER_TENANTS} tenants already"
@@ -106,6 +107,7 @@ class Planned:
     tenants: Mapping[str, TenantView]
     messages: Mapping[str, dict[str, object]]  # pod uid -> the lease message to post (after the write lands)
     crossed: tuple[tuple[str, float], ...] = ()  # (tenant, threshold) crossed by this round
+    pending_count: str = ""  # the spec's count, when it is not the one in force (it applies next period)
 
 
 def counted(counters: Counters | None, count: str) -> int:
@@ -129,9 +131,13 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
     """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
     period, period_end = period_of(now)
     start, lost = dict(state.start), dict(state.lost)
-    if state.period != period:  # a new month: spend counts from here; leases still out count against it
+    wanted_count = config.count
+    if state.period != period:  # a new month: spend counts from here, in the spec's count
         start = {t: counted(c, config.count) for t, c in after.tenants.items()}
         lost = {}
+    elif state.count and state.count != config.count:
+        # the month's start and what was lost are in the count in force: a change applies from the next month
+        config = replace(config, count=state.count)
     wanted, reports = wanted or {}, reports or {}
     asked = {t for tenants in wanted.values() for t in tenants}
     known = set(after.tenants) | asked | {t for lease in state.leases.values() for t in lease.allowances}
@@ -216,7 +222,8 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                                          if t in config.tenants or t in wanted.get(uid, frozenset())})
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
                     if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
-    return Planned(BudgetState(period, start, lost, leases, seq), views, messages, crossed)
+    return Planned(BudgetState(period, start, lost, leases, seq, config.count), views, messages, crossed,
+                   wanted_count if wanted_count != config.count else "")
 
 
 def confirmed_lease(lease: PodLease, reading: Reading | None, report: LeaseReport | None) -> PodLease:
@@ -287,7 +294,8 @@ def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
     """`status.budgets`: what each tenant has left, and the leases and period totals they stand on."""
     state = planned.state
     return {
-        "period": state.period, "count": config.count,
+        "period": state.period, "count": state.count or config.count,
+        **({"pendingCount": planned.pending_count} if planned.pending_count else {}),
         "tenants": {t: {"budget": v.budget, "spent": v.spent, "reserved": v.reserved, "remaining": v.remaining,
                         "unspent": v.unspent,
                         **({"tokensPerMinute": v.tokens_per_minute} if v.tokens_per_minute is not None else {})}
@@ -320,10 +328,11 @@ def state_from_status(raw: Mapping[str, object]) -> BudgetState:
             leases[str(item["uid"])] = PodLease(float(item["epoch"]), counts(item.get("tenants")),
                                                 starter if isinstance(starter, int) and starter >= 0 else None,
                                                 seq if isinstance(seq, int) and not isinstance(seq, bool) else 0)
-    period, seq = raw.get("period"), raw.get("seq")
+    period, seq, count = raw.get("period"), raw.get("seq"), raw.get("count")
     return BudgetState(period if isinstance(period, str) else "", counts(raw.get("periodStart")),
                        counts(raw.get("lost")), leases,
-                       seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0)
+                       seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0,
+                       count if count in ("total", "completion", "prompt") else "")
 
 
 MAX_ENTRIES = 2000  # tenants or leases read from a status (the ledger keeps 1,001 tenants)

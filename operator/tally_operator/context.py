@@ -53,6 +53,7 @@ class ServiceMemory:
     observations: Observations = field(default_factory=Observations)
     apply_error: SpecError | None = None  # the API server's refusal, until a pass applies cleanly
     refused: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last sample was refused
+    budget_notice: str = ""  # the budgets' count change announced last (an Event once, not every round)
     scaling: Scaling = field(default_factory=lambda: Scaling())
 
 @dataclass

@@ -24,7 +24,7 @@ from tally_operator.autoscale import (
     scaling_verdict,
 )
 from tally_operator.bookkeeping import Observed
-from tally_operator.books import commit, created_at, fixed, now, scrape_due, scrape_round
+from tally_operator.books import commit, created_at, now, scrape_due, scrape_round
 from tally_operator.children import apply_all, pool_status, read_children, rejected, route
 from tally_operator.context import Context, Scaling, Scraped, ServiceMemory
 from tally_operator.desired import (
@@ -45,6 +45,7 @@ from tally_operator.usage import (
 )
 
 log = logging.getLogger("tally_operator")
+DEFAULT_SCRAPE_SECONDS = 15.0  # usageHealth.scrapeIntervalSeconds' default: a pass on an invalid spec has no other
 
 async def reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
     """One pass. Passes of the same resource (timers, events) run one at a time in this process; across
@@ -64,8 +65,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         spec = parse_spec(body.spec)
         check_policy(spec, ctx.settings)
         check_name(meta["name"], spec)
-    except SpecError as error:
-        await commit(ctx, body, memory, obj, fixed(Observed(generation, invalid_verdicts(error), fields)))
+    except SpecError as error:  # nothing is applied, but the pods that serve are booked all the same
+        await keep_books(ctx, body, memory, obj, meta, Observed(generation, invalid_verdicts(error), fields))
         return
     # A pass that sees a generation the status has not observed applies it first: observedGeneration never
     # claims a spec whose children were not written (a status timer can run before the update handler).
@@ -93,9 +94,10 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     except SpecError as error:  # a child's name is taken by someone else's object
         memory.apply_error = error
         deployment, pods = None, []
-    if memory.apply_error is not None:  # until a pass applies cleanly, the rejection is the news
-        observed = Observed(generation, invalid_verdicts(memory.apply_error), fields)
-        await commit(ctx, body, memory, obj, fixed(observed))
+    if memory.apply_error is not None:  # until a pass applies cleanly, the rejection is the news (and books go on)
+        observed = Observed(generation, invalid_verdicts(memory.apply_error), fields,
+                            max_mismatch_ratio=spec.max_mismatch_ratio, budgets=spec.budgets, keep=kept_status(spec))
+        await keep_books(ctx, body, memory, obj, meta, observed, spec.scrape_interval_seconds)
         return
     if activated is not None:
         memory.scaling = replace(memory.scaling, active_at=time.monotonic(), last_scale_time=now())
@@ -115,7 +117,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
         verdicts.append(routed)
     # Without our Deployment (deleted with --cascade=orphan, say) its pods are not gone: they are re-adopted
     # when it is back, so the ledger waits rather than count them lost and then book them whole again
-    due = deployment is not None and scrape_due(memory, spec)
+    due = deployment is not None and scrape_due(memory, spec.scrape_interval_seconds)
 
     async def observe(current: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
         scraped = await scrape_round(ctx, meta, pods, current) if due else None
@@ -137,6 +139,26 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     landed_round = await commit(ctx, body, memory, obj, observe)
     if landed_round is not None and landed_round.decision is not None:
         await rescale(ctx, body, meta, spec, memory, landed_round, pods)
+
+async def keep_books(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapping[str, Any],
+                     meta: Mapping[str, str], observed: Observed, interval: float = DEFAULT_SCRAPE_SECONDS) -> None:
+    """A pass that cannot do its work (a spec it must refuse, a child the API server refused or someone else
+    owns) still books what the service's pods served, and acknowledges the drained ones: they keep serving
+    whatever the spec says now, and stopping the books would lose their usage (and keep drained pods waiting
+    for a final read). The status says why the rest was not done."""
+    try:
+        deployment, pods = await asyncio.to_thread(read_children, ctx, meta)
+    except SpecError:  # the Deployment is someone else's: no pod of ours to book
+        deployment, pods = None, []
+    due = deployment is not None and scrape_due(memory, interval)
+
+    async def observe(current: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
+        scraped = await scrape_round(ctx, meta, pods, current) if due else None
+        serving = frozenset(serving_uids(pods)) if observed.budgets is not None else frozenset()
+        return replace(observed, round=scraped.round if scraped else None, serving=serving), scraped
+
+    await commit(ctx, body, memory, obj, observe)
+
 
 def kept_status(spec: Spec) -> frozenset[str]:
     """What a pass keeps of the persisted status when it does not write it anew: the ledger always, and what

@@ -81,9 +81,10 @@ def autoscale(config: Autoscaling, current: int, pods: list[dict[str, Any]], scr
         decision = Decision(0, "Idle", "No pod")
     held = scraped.held.requests if scraped.held is not None else 0
     seen = {uid: sample.all_requests for uid, sample in scraped.round.samples.items()}
-    if busy(scraped, loads, held, len(serving), scaling.requests_seen):
+    traffic = busy(scraped, loads, held, len(serving), scaling.requests_seen)
+    if traffic:
         scaling = replace(scaling, active_at=at)
-    decision = zero_step(config, decision, current, held, at - scaling.active_at)
+    decision = zero_step(config, decision, current, held, None if traffic else at - scaling.active_at)
     made = (decision.recommendation,) if decision.recommendation else ()
     recommendations = tuple(r for r in (*scaling.recommendations, *made)
                             if r.at > at - config.scale_down_delay_seconds)

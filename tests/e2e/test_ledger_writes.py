@@ -262,3 +262,103 @@ def test_a_ledger_still_taking_its_baseline_says_so_after_its_write(writers: str
     read.serve(3)
     asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing([read, unread])))
     assert usage(kube)["completionTokens"] == 93
+
+
+@pytest.fixture
+def simulated_pods(monkeypatch: pytest.MonkeyPatch) -> list[Pod]:
+    """Pods the passes find among the service's children and scrape, with counters the test moves (the real
+    Deployment stays at no pod): reconcile's own flow, books written through the real API server."""
+    from tally_operator import reconcile as reconcile_module
+
+    pods: list[Pod] = []
+    real_read = reconcile_module.read_children
+
+    def read_children(ctx: Any, meta: Any) -> tuple[Any, list[dict[str, Any]]]:
+        deployment, found = real_read(ctx, meta)
+        return deployment, [*found, *({"metadata": {"uid": p.uid, "name": p.uid, "labels": {}},
+                                       "status": {"phase": "Running", "podIP": "198.18.9.9", "conditions": [
+                                           {"type": "Ready", "status": "True"}]}} for p in pods)]
+
+    async def scrape_round(_ctx: Any, _meta: Any, _pods: Any, _obj: Any) -> Scraped:
+        round_ = Round({p.uid: p.sample() for p in pods}, present=frozenset(p.uid for p in pods))
+        return Scraped(round_, {}, {})
+
+    monkeypatch.setattr(reconcile_module, "read_children", read_children)
+    monkeypatch.setattr(reconcile_module, "scrape_round", scrape_round)
+    return pods
+
+
+def ready_reason(kube: Kubectl) -> str:
+    status = kube.json("get", "completionservice", "books").get("status") or {}
+    return str(next((c["reason"] for c in status.get("conditions") or [] if c["type"] == "Ready"), ""))
+
+
+def test_a_child_someone_else_owns_stops_the_children_but_never_the_books(
+        writers: str, kube: Kubectl, simulated_pods: list[Pod]) -> None:
+    """A foreign Service named `<name>-pods` (or a 403 on a child) made every pass return before scraping: pods
+    kept serving and nothing was booked. Now the conflict is the Ready condition and the books go on."""
+    kube.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "books-pods"},
+                "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}})
+    kube.apply({"apiVersion": "serving.tally.dev/v1alpha1", "kind": "CompletionService", "metadata": {"name": "books"},
+                "spec": {"model": {"name": "m"}, "engine": {"kind": "cpu"},
+                         "autoscaling": {"minReplicas": 0, "maxReplicas": 1}}})
+    operator, pod = Operator(writers), Pod()
+    simulated_pods.append(pod)
+    pod.serve(30)
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    assert ready_reason(kube) == "NameConflict"
+    assert usage(kube)["completionTokens"] == 30
+    pod.serve(12)
+    operator.memory.scraped_at = -1e9  # the next round is due
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    assert usage(kube)["completionTokens"] == 42 and ready_reason(kube) == "NameConflict"
+
+
+def test_a_spec_the_operator_refuses_still_has_its_pods_booked(writers: str, kube: Kubectl,
+                                                               simulated_pods: list[Pod]) -> None:
+    """A spec refused after its pods were made (a policy tightened, an image no longer allowed) left the pods
+    serving unbooked. Now they are booked while Ready says why the spec is refused."""
+    create(kube)
+    operator, pod = Operator(writers), Pod()
+    simulated_pods.append(pod)
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    kube("patch", "completionservice", "books", "--type=merge", "-p", '{"spec":{"engine":{"image":"evil/runtime:1"}}}')
+    pod.serve(25)
+    operator.memory.scraped_at = -1e9
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    assert ready_reason(kube) == "ForbiddenImage" and usage(kube)["completionTokens"] == 25
+
+
+def test_the_budgets_status_round_trip_defers_a_count_changed_mid_month(writers: str, kube: Kubectl) -> None:
+    """Budgets planned and written through the real API server: the names in the status are this round's (a merge
+    patch kept every one ever asked for); a count changed mid-month waits for the next month."""
+    import dataclasses
+
+    from tally_operator.budget import BudgetConfig, TenantBudget
+
+    body = create(kube)
+    operator, pod = Operator(writers), Pod(("acme",))
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=50), {"acme": TenantBudget(monthly_tokens=1000)})
+
+    def asking(names: frozenset[str], budgets: BudgetConfig = config) -> Observe:
+        async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+            sample = dataclasses.replace(pod.sample(), wanted=names)
+            round_ = Round({pod.uid: sample}, present=frozenset([pod.uid]))
+            return (Observed(1, [], {}, round_, budgets=budgets, serving=frozenset([pod.uid]),
+                             keep=frozenset({"usage", "budgets"})), Scraped(round_, {pod.uid: "http://pod"}, {}))
+        return observe
+
+    pod.serve(100, "acme")
+    asyncio.run(operator.pass_on(body, asking(frozenset(f"made-up-{i}" for i in range(300)))))
+    first = kube.json("get", "completionservice", "books")["status"]["budgets"]
+    assert len(first["tenants"]) == 301  # acme and the 300 asked for (a default covers them)
+    completion = dataclasses.replace(config, count="completion")
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
+                                 asking(frozenset(), completion)))
+    third = kube.json("get", "completionservice", "books")["status"]["budgets"]
+    assert (third["count"], third["pendingCount"]) == ("total", "completion")
+    assert third["tenants"]["acme"]["spent"] == 100

@@ -338,3 +338,27 @@ def test_a_listed_tenant_is_never_told_it_has_no_budget() -> None:
     assert tenants["zzz-listed"]["allowance"] is not None and "untracked" not in tenants["zzz-listed"]
     assert all(entry["allowance"] is not None for entry in tenants.values())
     assert sum("untracked" in entry for entry in tenants.values()) >= 500
+
+
+def test_a_count_changed_mid_month_applies_from_the_next_month() -> None:
+    """Changing budgets.count mid-month read the month's start (counted in the old units) in the new ones and
+    forgot the spend: 1.9x the budget was served. The count in force holds until the month ends."""
+    tenant = Counters(requests=10, prompt_tokens=600, completion_tokens=300)
+    ledger = Ledger(readings={"p0": Reading(tenant, 1.0, False, {"acme": tenant})}, tenants={"acme": tenant})
+    total = BudgetConfig("total", None, {"acme": TenantBudget(monthly_tokens=1000)})
+    state = round_trip(budgets_status(plan_budgets(total, Ledger(), Ledger(), state_from_status({}), frozenset(),
+                                                   NOW), total))
+    planned = plan_budgets(total, ledger, ledger, state_from_status(state), frozenset({"p0"}), NOW)
+    state = round_trip(budgets_status(planned, total))
+    assert state["tenants"]["acme"]["spent"] == 900
+    completion = BudgetConfig("completion", None, {"acme": TenantBudget(monthly_tokens=1000)})
+    planned = plan_budgets(completion, ledger, ledger, state_from_status(state), frozenset({"p0"}),
+                           NOW + datetime.timedelta(days=1))
+    status = round_trip(budgets_status(planned, completion))
+    assert status["count"] == "total" and status["pendingCount"] == "completion"
+    assert status["tenants"]["acme"]["spent"] == 900  # not 300 - 900 read as nothing spent
+    assert planned.messages["p0"]["count"] == "total"
+    next_month = plan_budgets(completion, ledger, ledger, state_from_status(status), frozenset({"p0"}),
+                              datetime.datetime(2027, 1, 2, tzinfo=datetime.UTC))
+    status = round_trip(budgets_status(next_month, completion))
+    assert status["count"] == "completion" and "pendingCount" not in status and status["tenants"]["acme"]["spent"] == 0

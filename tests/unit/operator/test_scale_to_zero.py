@@ -4,6 +4,7 @@ answer read as hostile input."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -80,6 +81,25 @@ def test_one_pod_goes_to_zero_after_a_grace_of_no_traffic_and_any_traffic_restar
         decisions.append((second, scraped.decision.replicas))
     first_zero = next(second for second, replicas in decisions if replicas == 0)
     assert first_zero == 100  # the last traffic at 40 (a generation running), then a grace of 60
+
+
+def test_a_grace_of_zero_means_after_the_first_idle_round_never_on_a_busy_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`graceSeconds: 0` scaled a busy pod to zero on the first round (the round's own traffic set the clock it
+    was compared with, and 0 >= 0). Busy rounds keep the pod; the first round without traffic takes it away."""
+    clock = [2000.0]
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: clock[0])
+    eager = replace(ZERO, scale_to_zero_grace_seconds=0)
+    scaling = Scaling(since=0.0, active_at=2000.0)
+    replicas = []
+    for step, (requests, running) in enumerate([(1, 1.0), (2, 1.0), (3, 0.0), (3, 0.0)]):
+        clock[0] = 2000.0 + 5 * step
+        scraped = autoscale(eager, 1, [pod("p")], Scraped(Round({"p": sample(requests, running)}, frozenset()), {},
+                                                          {}, held=Held()), scaling)
+        assert scraped.decision is not None and scraped.scaling is not None
+        scaling = scraped.scaling
+        replicas.append(scraped.decision.replicas)
+    assert replicas == [1, 1, 1, 0]  # the third round still counted a request (3 since 2): traffic; the fourth none
 
 
 def test_a_pod_not_read_or_a_held_request_is_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
