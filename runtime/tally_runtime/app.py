@@ -180,7 +180,10 @@ def _no_exit() -> None:
     log.warning("Drained, but this app was given no way to stop its server")
 
 
-METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH})
+METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH, contract.BUDGET_ASKS_PATH})
+
+
+BOTH_PORTS = frozenset({"/health", contract.READY_PATH})
 
 
 class OnlyItsPort:
@@ -204,7 +207,7 @@ class OnlyItsPort:
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
-            if path != "/health" and (path in METRICS_PATHS) != on_metrics_port:
+            if path not in BOTH_PORTS and (path in METRICS_PATHS) != on_metrics_port:
                 await error_response(ApiError(404, f"Not found: {path}"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
