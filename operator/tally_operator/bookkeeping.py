@@ -40,7 +40,7 @@ class Observed:
     round: Round | None = None  # None: no scrape was due
     max_mismatch_ratio: float = 0.0
     budgets: BudgetConfig | None = None
-    serving: frozenset[str] = frozenset()  # pods a lease may be sent to: ready and not terminating
+    serving: frozenset[str] = frozenset()  # pods a lease may be sent to: started, not terminating (pods.py)
     # Keys of the persisted status this pass carries over when it does not set them (the features that are on);
     # every other key goes, since the status is written whole. None: every key (a pass that cannot tell which
     # features are on, such as one on an invalid spec)

@@ -52,9 +52,9 @@ def fixed(observed: Observed) -> Observe:
     return observe
 
 def scrape_due(memory: ServiceMemory, interval: float) -> bool:
-    if time.monotonic() - memory.scraped_at < interval:
+    if time.monotonic() - memory.scraped_at < interval and not memory.scrape_now:
         return False
-    memory.scraped_at = time.monotonic()
+    memory.scraped_at, memory.scrape_now = time.monotonic(), False
     return True
 
 async def scrape_round(ctx: Context, meta: Mapping[str, str], pods: list[dict[str, Any]],

@@ -16,16 +16,21 @@ for every lease that may be in use. A pod whose counters began again (a new epoc
 final reading, may have spent its whole outstanding lease unread: that is counted against the budget
 (`lost`) for the period.
 
-What the tenant has left is shared equally between the pods where it is active, every round, and no pod
-holds more than the budget divided by the serving pods (what a pod that ends unread takes with it). A pod holding
-more than its share is sent a lower allowance, but the status keeps counting the higher one (the pod may be
-spending under it) until the pod's /metrics show it applied that message (its `seq`, numbered above every
-earlier one) and what it may still reach under it: only then is the difference free to lease elsewhere.
-So an idle pod never keeps a budget from the pods where its tenant is asking.
+Allowance goes where requests wait for it. A pod that cannot fit a request its tenant's budget covers holds
+it and asks at once (tally_runtime/budgets.py): its /metrics and a long-poll the operator keeps open say how
+much its waiting requests need, and the operator runs a round then rather than at the next scrape. The round
+grants the asks first, on top of what the pod holds and past any cap (a request that fits what the tenant
+has left is served; a pod whose ask cannot be met gives up what it holds to one whose ask can). The rest is
+headroom by demand (as much again as asked, twice what the pod spent since the round before), at most the
+budget divided by the serving pods per pod (what a pod that ends unread takes with it). A pod holding more
+than its part is sent a lower allowance, but the status keeps counting the higher one (the pod may be spending
+under it) until the pod's /metrics show it applied that message (its `seq`, numbered above every earlier one)
+and what it may still reach under it: only then is the difference free to lease elsewhere. So an idle pod never
+keeps a budget from the pods where its tenant is asking, and a lease entry with nothing held or asked goes.
 
-With a default budget, a tenant the ledger does not know yet has spent nothing: a pod refuses it and asks
-for it (`wanted`, from the pod's /metrics), and the next round leases it like any other. Rate limits are per
-pod: each gets an equal share of a tenant's tokens per minute.
+With a default budget, a tenant the ledger does not know yet has spent nothing: a pod holds its request and
+asks, and the round leases it like any other. Rate limits are per pod: each gets an equal share of a tenant's
+tokens per minute.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ def period_of(now: datetime.datetime) -> tuple[str, float]:
 
 def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
                  serving: frozenset[str], now: datetime.datetime,
-                 wanted: Mapping[str, frozenset[str]] | None = None,
+                 wanted: Mapping[str, Mapping[str, int]] | None = None,
                  reports: Mapping[str, LeaseReport] | None = None) -> Planned:
     """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
     period, period_end = period_of(now)
@@ -185,26 +190,27 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
         free = max(0, budget.monthly_tokens - spent - held)
         # Only where the tenant is active (counted, asked for, or leased already): the status stays small
         active = [uid for uid in sorted(grants) if _active(uid, tenant, after.readings[uid], leases, wanted)]
-        # Each its equal part of what is left, and at most its part of the budget: a pod that ends unread (its
-        # outstanding lease then lost for the month) never takes more than that with it
-        share = min(unspent // len(active), budget.monthly_tokens // len(grants)) if active else 0
+        used = {uid: _used(after.readings[uid], tenant, config.count) for uid in active}
+        asks = {uid: wanted.get(uid, {}).get(tenant, 0) for uid in active}
+        recent = {uid: max(0, used[uid] - _used(before.readings.get(uid), tenant, config.count)) for uid in active}
+        elsewhere = sum(v for uid, v in outstanding.items() if uid not in used)
+        targets = shares(unspent - elsewhere, budget.monthly_tokens // max(1, len(grants)),
+                         {uid: (outstanding.get(uid, 0), asks[uid], recent[uid]) for uid in active})
         for uid in active:  # takings back first: they free nothing until confirmed, but must not be given twice
-            reading = after.readings[uid]
-            used = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
             have = outstanding.get(uid, 0)
-            reach = used + have  # what the pod may reach now (at least its counter)
-            if have > share:
-                grants[uid][tenant], counts[uid][tenant] = used + share, reach
-        for uid in active:
+            if have > targets[uid]:
+                grants[uid][tenant], counts[uid][tenant] = used[uid] + targets[uid], used[uid] + have
+        # Then what is free, to the pods whose requests wait for it first (the largest ask first), then the rest
+        for uid in sorted(active, key=lambda u: (-asks[u], u)):
             if tenant in grants[uid]:
                 continue
-            reading = after.readings[uid]
-            used = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
             have = outstanding.get(uid, 0)
-            more = min(share - have, free)
+            more = min(targets[uid] - have, free)
             free -= more
             held += more
-            grants[uid][tenant] = counts[uid][tenant] = used + have + more
+            if not have and not more and not asks[uid]:
+                continue  # nothing held or asked for here: the entry goes (the status stays small; it reads as 0)
+            grants[uid][tenant] = counts[uid][tenant] = used[uid] + have + more
         views[tenant] = TenantView(budget.monthly_tokens, spent, held, max(0, budget.monthly_tokens - spent - held),
                                    budget.tokens_per_minute, unspent)
     starter = 0 if config.default is not None else None  # a tenant not listed asks for a lease
@@ -219,11 +225,39 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
         leases[uid] = PodLease(reading.epoch, kept, starter, seq)
         messages[uid] = _message(uid, reading.epoch, seq, config, allowances, starter, len(grants), period_end,
                                  views, {t: why for t, why in untracked.items()
-                                         if t in config.tenants or t in wanted.get(uid, frozenset())})
+                                         if t in config.tenants or t in wanted.get(uid, {})})
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
                     if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
     return Planned(BudgetState(period, start, lost, leases, seq, config.count), views, messages, crossed,
                    wanted_count if wanted_count != config.count else "")
+
+
+def shares(pool: int, cap: int, pods: Mapping[str, tuple[int, int, int]]) -> dict[str, int]:
+    """What each pod where a tenant is active should hold of `pool` (what the tenant has left, less what pods
+    elsewhere hold), given per pod (what it holds, what its waiting requests ask for, what it spent since the
+    round before).
+
+    The asks come first, the largest first: what the pod holds and what it asks for, as far as the pool goes
+    and whatever the cap (a request that fits what the tenant has left is served; a pod whose ask the pool
+    cannot meet gives up what it holds to the one that can). What is left is headroom, so that a busy pod need
+    not ask for every request: by demand, as much again as it asks for and twice what it spent since the round
+    before (an idle pod's is 0: what it holds is taken back for the pods that ask), and at most `cap` (the
+    budget divided by the serving pods): what a pod that ends unread takes with it."""
+    targets: dict[str, int] = {}
+    left = max(0, pool)
+    for uid in sorted((u for u, (_, ask, _) in pods.items() if ask), key=lambda u: (-pods[u][1], u)):
+        have, ask, _ = pods[uid]
+        targets[uid] = min(have + ask, left)
+        left -= targets[uid]
+    demand = {uid: 1 + ask + recent for uid, (_, ask, recent) in pods.items()}
+    total = sum(demand.values())
+    for uid, (_, ask, recent) in pods.items():
+        targets[uid] = targets.get(uid, 0) + min(cap, left * demand[uid] // total, ask + 2 * recent)
+    return targets
+
+
+def _used(reading: Reading | None, tenant: str, count: str) -> int:
+    return counted(reading.tenants.get(tenant) if reading is not None and reading.tenants else None, count)
 
 
 def confirmed_lease(lease: PodLease, reading: Reading | None, report: LeaseReport | None) -> PodLease:
@@ -247,9 +281,9 @@ def _outstanding(lease: PodLease, reading: Reading | None, tenant: str, count: s
 
 
 def _active(uid: str, tenant: str, reading: Reading, leases: Mapping[str, PodLease],
-            wanted: Mapping[str, frozenset[str]]) -> bool:
+            wanted: Mapping[str, Mapping[str, int]]) -> bool:
     lease = leases.get(uid)
-    return bool(reading.tenants and tenant in reading.tenants) or tenant in wanted.get(uid, frozenset()) or \
+    return bool(reading.tenants and tenant in reading.tenants) or tenant in wanted.get(uid, {}) or \
         (lease is not None and lease.epoch == reading.epoch and tenant in lease.allowances)
 
 

@@ -50,6 +50,7 @@ class ServiceMemory:
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one pass at a time per resource
     scraped_at: float = -1e9  # monotonic time of the last scrape round
+    scrape_now: bool = False  # a pod asks for budget allowance: the next pass scrapes whenever the last was
     observations: Observations = field(default_factory=Observations)
     apply_error: SpecError | None = None  # the API server's refusal, until a pass applies cleanly
     refused: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last sample was refused

@@ -15,6 +15,7 @@ from typing import Any
 import kopf
 
 from tally_operator import constants as c
+from tally_operator.asks import asked
 from tally_operator.context import Context, ServiceMemory
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
@@ -23,11 +24,14 @@ from tally_operator.release import release_pods
 from tally_operator.scaling import held_now
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
+from tally_operator.spec import SpecError
 
 SETTINGS = OperatorSettings.from_env()
 RETRY_SECONDS = 10
 RELEASE_TRIES = 30  # about a minute of releasing a deleted service's pods as they start to drain
 ACTIVATION_POLL_SECONDS = 25  # the activator long-poll's length (it returns at once when something is held)
+ASKS_POLL_SECONDS = 25  # the budget asks long-poll's length (it returns at once when a request waits)
+ASKS_PACE_SECONDS = 0.5  # at most two rounds a second while requests wait for allowance
 
 
 @kopf.on.startup()
@@ -101,12 +105,38 @@ async def activation(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
         await stopped.wait(1.0)  # paces the loop: a long-poll with something held answers at once
 
 
+def has_budgets(spec: kopf.Spec, **_: Any) -> bool:
+    return bool(spec.get("budgets"))
+
+
+@kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, when=has_budgets, cancellation_timeout=5)
+async def budget_asks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """With budgets: long-poll the pods, and run a round (scrape, book, lease) as soon as a request waits for
+    allowance or a started pod waits for its first lease, instead of at the next scrape: a top-up comes in
+    about a second."""
+    meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
+    while not stopped:
+        try:
+            if await asked(memo.context, meta, wait=ASKS_POLL_SECONDS):
+                memory(memo).scrape_now = True
+                await run(body, memo, apply_children=False)
+        except (KubeError, SpecError, kopf.TemporaryError) as error:
+            logging.getLogger("tally_operator").info("Budget asks of %s/%s not read: %s", meta["namespace"],
+                                                     meta["name"], error)
+        await stopped.wait(ASKS_PACE_SECONDS)
+
+
+def memory(memo: kopf.Memo) -> ServiceMemory:
+    """The resource's own memory (kopf keeps one memo per resource, across passes and handlers)."""
+    kept = memo.get("service")
+    if kept is None:
+        kept = memo["service"] = ServiceMemory()
+    return kept
+
+
 async def run(body: kopf.Body, memo: kopf.Memo, apply_children: bool) -> None:
     """The resource's pass, with its own memory; a transient API error is retried by kopf."""
-    memory = memo.get("service")
-    if memory is None:
-        memory = memo["service"] = ServiceMemory()
     try:
-        await reconcile(memo.context, body, memory, apply_children)
+        await reconcile(memo.context, body, memory(memo), apply_children)
     except KubeError as error:  # only transient ones leave the pass
         raise kopf.TemporaryError(f"API server: {error.status} {error.message}", delay=RETRY_SECONDS) from error

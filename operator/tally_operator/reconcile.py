@@ -31,7 +31,7 @@ from tally_operator.desired import (
     endpoint,
 )
 from tally_operator.kube import KubeError
-from tally_operator.pods import is_ready
+from tally_operator.pods import is_ready, leasable_uids
 from tally_operator.policy import check_policy
 from tally_operator.scaling import autoscale, decided_replicas, held_now, rescale, serving_uids
 from tally_operator.spec import Spec, SpecError, check_name, parse_spec
@@ -133,7 +133,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
                 more_fields["autoscaling"] |= scraped.held.status(time.monotonic() - scraped.scaling.active_at)
             more_verdicts.append(scaling_verdict(scraped.decision))
         return Observed(generation, more_verdicts, more_fields, scraped.round if scraped else None,
-                        spec.max_mismatch_ratio, spec.budgets, frozenset(serving_uids(pods)),
+                        spec.max_mismatch_ratio, spec.budgets, leasable_uids(pods),
                         keep=kept_status(spec)), scraped
 
     landed_round = await commit(ctx, body, memory, obj, observe)
@@ -154,7 +154,7 @@ async def keep_books(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: 
 
     async def observe(current: Mapping[str, Any]) -> tuple[Observed, Scraped | None]:
         scraped = await scrape_round(ctx, meta, pods, current) if due else None
-        serving = frozenset(serving_uids(pods)) if observed.budgets is not None else frozenset()
+        serving = leasable_uids(pods) if observed.budgets is not None else frozenset()
         return replace(observed, round=scraped.round if scraped else None, serving=serving), scraped
 
     await commit(ctx, body, memory, obj, observe)

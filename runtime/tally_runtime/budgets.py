@@ -154,8 +154,8 @@ class Budgets:
 
     async def wait_for_asks(self, seconds: float) -> None:
         """The operator's long-poll: returns as soon as a request waits (or a first lease is wanted), or after
-        `seconds`."""
-        if self.asking() or not self.leased:
+        `seconds`. An ask whose request gave up does not end it (the next scrape reads that one)."""
+        if self.waiting or not self.leased:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._asked.wait(), seconds)

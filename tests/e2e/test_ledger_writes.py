@@ -344,9 +344,9 @@ def test_the_budgets_status_round_trip_defers_a_count_changed_mid_month(writers:
     operator, pod = Operator(writers), Pod(("acme",))
     config = BudgetConfig("total", TenantBudget(monthly_tokens=50), {"acme": TenantBudget(monthly_tokens=1000)})
 
-    def asking(names: frozenset[str], budgets: BudgetConfig = config) -> Observe:
+    def asking(names: frozenset[str], budgets: BudgetConfig = config) -> Observe:  # each asks for 10 tokens
         async def observe(_: Any) -> tuple[Observed, Scraped | None]:
-            sample = dataclasses.replace(pod.sample(), wanted=names)
+            sample = dataclasses.replace(pod.sample(), wanted=dict.fromkeys(sorted(names), 10))
             round_ = Round({pod.uid: sample}, present=frozenset([pod.uid]))
             return (Observed(1, [], {}, round_, budgets=budgets, serving=frozenset([pod.uid]),
                              keep=frozenset({"usage", "budgets"})), Scraped(round_, {pod.uid: "http://pod"}, {}))

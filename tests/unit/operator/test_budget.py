@@ -43,7 +43,7 @@ class Pod:
         self.starter: float | None = None
         self.seq = 0
         self.counter_at: dict[str, int] = {}
-        self.wanted: set[str] = set()
+        self.wanted: dict[str, int] = {}  # tenant -> tokens asked for
         self.inflight: list[tuple[str, int, int]] = []  # (tenant, reserved, billed when it ends)
 
     def counter(self, tenant: str) -> int:
@@ -59,7 +59,8 @@ class Pod:
 
     def serve(self, tenant: str, cost: int, billed: int) -> bool:
         """Admit a request (it bills when it ends) or refuse it."""
-        if self.leases is None:
+        if self.leases is None:  # no lease message yet: it asks
+            self.wanted[tenant] = max(self.wanted.get(tenant, 0), cost)
             return False
         allowance = self.allowance(tenant)
         counter, reserved = self.counter(tenant), self.reserved(tenant)
@@ -67,7 +68,7 @@ class Pod:
             unspent = (self.leases.get(tenant) or {}).get("unspent")
             anywhere = None if unspent is None else unspent - (counter - self.counter_at.get(tenant, 0)) - reserved
             if anywhere is None or cost <= anywhere:
-                self.wanted.add(tenant)  # refused for want of allowance here: asks for more
+                self.wanted[tenant] = max(self.wanted.get(tenant, 0), cost)  # asks for more here
             return False
         self.inflight.append((tenant, cost, billed))
         return True
@@ -89,7 +90,7 @@ class Pod:
             return False
         self.leases, self.starter, self.seq = dict(message["tenants"]), message["starter"]["allowance"], message["seq"]
         self.counter_at = {t: self.counter(t) for t in self.leases}
-        self.wanted = set()
+        self.wanted = {}
         return True
 
     def sample(self, final: bool = False) -> PodSample:
@@ -99,7 +100,7 @@ class Pod:
         reach = {t: max(lease["allowance"], self.counter(t) + self.reserved(t))
                  for t, lease in (self.leases or {}).items() if lease["allowance"] is not None}
         return PodSample(totals, "incremental", None, self.epoch, final, dict(self.tenants), pod_uid=self.uid,
-                         wanted=frozenset(self.wanted), lease_seq=self.seq, reach=reach)
+                         wanted=dict(self.wanted), lease_seq=self.seq, reach=reach)
 
 
 def round_trip(status: dict[str, Any]) -> dict[str, Any]:
@@ -220,10 +221,10 @@ def test_a_new_month_starts_the_spend_again_and_crossings_are_reported_once() ->
 
 
 def test_an_idle_pods_allowance_is_taken_back_only_once_it_says_it_applied_the_lower_one() -> None:
-    """One pod was leased the whole budget while it alone served; a second pod's tenant then asks. The idle
-    pod is sent a lower allowance, but the freed part is leased elsewhere only once the idle pod's /metrics
-    report that message's number: a report of an earlier message (the lower one still on its way) frees
-    nothing, since the pod may yet spend under what it holds."""
+    """One pod was leased the whole budget (its request asked for all of it); a second pod's tenant then asks.
+    The idle pod is sent a lower allowance (none: it is idle), but the freed part is leased elsewhere only once
+    the idle pod's /metrics report that message's number: a report of an earlier message (the lower one still
+    on its way) frees nothing, since the pod may yet spend under what it holds."""
     config = BudgetConfig("total", None, {"acme": TenantBudget(monthly_tokens=900)})
     a, b = Pod("a", 1.0), Pod("b", 1.0)
     usage: dict[str, Any] = {}
@@ -242,23 +243,26 @@ def test_an_idle_pods_allowance_is_taken_back_only_once_it_says_it_applied_the_l
         return planned
 
     both = {"a": a, "b": b}
+    assert not a.serve("acme", 900, 900) and a.wanted == {"acme": 900}  # no lease yet: it asks (and waits)
     round_of({"a": a})
-    assert not a.serve("acme", 10, 10) and a.wanted == {"acme"}  # asks
-    round_of({"a": a})
-    assert a.allowance("acme") == 900  # alone: all of it
-    lowering = round_of(both, deliver=frozenset("b"))  # b appears; a is to give back half, not told yet
-    assert lowering.messages["a"]["tenants"]["acme"]["allowance"] == 450  # type: ignore[index]
+    assert a.allowance("acme") == 900  # what it asked for, all of the budget
+    assert not b.serve("acme", 10, 10) and b.wanted == {"acme": 10}  # b appears, asks; a is idle
+    lowering = round_of(both, deliver=frozenset("b"))  # a is to give all back (idle), not told yet
+    assert lowering.messages["a"]["tenants"]["acme"]["allowance"] == 0  # type: ignore[index]
     assert lowering.tenants["acme"].reserved == 900  # a still counted whole
-    assert not b.serve("acme", 10, 10) and b.wanted == {"acme"}
     assert b.leases is not None and b.leases["acme"]["unspent"] == 900  # not spent: it asks, not refused for good
     for _ in range(2):  # a reports the message before: nothing freed for b
+        assert not b.serve("acme", 10, 10)
         again = round_of(both, deliver=frozenset("b"))
         assert again.tenants["acme"].reserved == 900 and b.allowance("acme") == 0
+    assert not b.serve("acme", 10, 10)
     assert round_of(both).tenants["acme"].reserved == 900  # delivered now; confirmed in the next round
-    assert a.allowance("acme") == 450 and b.allowance("acme") == 0
+    assert a.allowance("acme") == 0 and b.allowance("acme") == 0
+    assert not b.serve("acme", 10, 10)
     freed = round_of(both)
-    assert b.allowance("acme") == 450 and freed.tenants["acme"].reserved == 900
+    assert b.allowance("acme") == 20 and freed.tenants["acme"].reserved == 20  # its ask, and as much headroom
     assert b.serve("acme", 10, 10)
+    assert [lease["uid"] for lease in budgets["leases"] if lease["tenants"]] == ["b"]  # a's entry went
 
 
 def test_a_pods_report_lowers_what_is_counted_only_for_the_last_message_sent_to_it() -> None:
@@ -315,7 +319,7 @@ def test_a_tenant_the_full_ledger_cannot_keep_apart_is_never_granted_anything() 
     state: dict[str, Any] = {}
     for _ in range(5):
         planned = plan_budgets(config, ledger, ledger, state_from_status(state), frozenset({"p0"}), NOW,
-                               {"p0": frozenset({"latecomer"})})
+                               {"p0": {"latecomer": 10}})
         state = round_trip(budgets_status(planned, config))
         told = planned.messages["p0"]["tenants"]["latecomer"]  # type: ignore[index]
         assert told["allowance"] == 0 and told["unspent"] == 0 and "ledger holds 1000" in told["untracked"]
@@ -331,7 +335,7 @@ def test_a_listed_tenant_is_never_told_it_has_no_budget() -> None:
 
     config = BudgetConfig("total", TenantBudget(monthly_tokens=10), {"zzz-listed": TenantBudget(monthly_tokens=1000)})
     ledger = Ledger(readings={"p0": Reading(Counters(), 1.0, False, {})})
-    flood = frozenset(f"made-up-{i:05d}" for i in range(MAX_ENTRIES + 500))
+    flood = dict.fromkeys((f"made-up-{i:05d}" for i in range(MAX_ENTRIES + 500)), 10)
     planned = plan_budgets(config, ledger, ledger, state_from_status({}), frozenset({"p0"}), NOW, {"p0": flood})
     tenants = planned.messages["p0"]["tenants"]
     assert isinstance(tenants, dict)
@@ -362,3 +366,89 @@ def test_a_count_changed_mid_month_applies_from_the_next_month() -> None:
                               datetime.datetime(2027, 1, 2, tzinfo=datetime.UTC))
     status = round_trip(budgets_status(next_month, completion))
     assert status["count"] == "completion" and "pendingCount" not in status and status["tenants"]["acme"]["spent"] == 0
+
+
+def run_round(config: BudgetConfig, pods: dict[str, Pod], books: dict[str, Any], later: int = 0) -> Planned:
+    """One round on every pod: read, book, plan, write (through JSON), deliver every message."""
+    before = ledger_from_status(books.get("usage", {}))
+    samples = {uid: p.sample() for uid, p in pods.items()}
+    booking = book(before, Round(samples, present=frozenset(pods)))
+    planned = plan(config, before, booking.ledger, books.get("budgets", {}), frozenset(pods), samples, later=later)
+    books["usage"], books["budgets"] = round_trip(ledger_status(booking.ledger)), round_trip(
+        budgets_status(planned, config))
+    for uid, message in planned.messages.items():
+        pods[uid].apply(round_trip(message))
+    return planned
+
+
+def test_a_request_larger_than_any_pods_part_is_served_when_it_fits_what_the_tenant_has_left() -> None:
+    """Shares were equal per active pod (at most budget / pods): a 6,000-token request with 10,000 of 10,000 left
+    on two pods was refused for ever. Now the pod asks for what it needs and the round grants it."""
+    config = BudgetConfig("total", None, {"acme": TenantBudget(monthly_tokens=10_000)})
+    pods = {"a": Pod("a", 1.0), "b": Pod("b", 1.0)}
+    books: dict[str, Any] = {}
+    run_round(config, pods, books)
+    assert not pods["a"].serve("acme", 6_000, 5_000) and pods["a"].wanted == {"acme": 6_000}
+    run_round(config, pods, books, later=1)
+    assert pods["a"].serve("acme", 6_000, 5_000)
+    assert not pods["b"].serve("acme", 10_001, 1) and not pods["b"].wanted  # more than the budget: refused
+    assert not pods["b"].serve("acme", 4_500, 4_500) and pods["b"].wanted == {"acme": 4_500}  # fits, once a's ends
+    run_round(config, pods, books, later=2)
+    assert not pods["b"].serve("acme", 4_500, 4_500)  # a's reservation still holds all but 4,000: it waits
+    pods["a"].settle(random.Random(0), share=1.0)  # a's request ends, billing 5,000 of its 6,000
+    run_round(config, pods, books, later=3)
+    assert pods["b"].serve("acme", 4_500, 4_500)
+    pods["b"].settle(random.Random(0), share=1.0)
+    last = run_round(config, pods, books, later=4)
+    assert last.tenants["acme"].spent == 9_500 and last.tenants["acme"].unspent == 500
+
+
+def test_headroom_follows_demand_and_an_idle_pod_keeps_none() -> None:
+    """What is left beyond the asks is headroom weighted by what each pod spent since the round before: the busy
+    pod holds more, the idle one gives back what it held (it asks again when a request comes)."""
+    config = BudgetConfig("total", None, {"acme": TenantBudget(monthly_tokens=100_000)})
+    pods = {"busy": Pod("busy", 1.0), "idle": Pod("idle", 1.0)}
+    books: dict[str, Any] = {}
+    for pod in pods.values():
+        pod.serve("acme", 500, 500)  # both ask
+    run_round(config, pods, books)
+    assert pods["busy"].allowance("acme") == pods["idle"].allowance("acme") == 1_000  # ask + twice the ask
+    for later in range(1, 4):
+        while pods["busy"].serve("acme", 100, 100):
+            pass
+        pods["busy"].settle(random.Random(0), share=1.0)
+        run_round(config, pods, books, later=later)
+    busy = (pods["busy"].allowance("acme") or 0) - pods["busy"].counter("acme")
+    assert busy >= 1_000 and pods["idle"].allowance("acme") == 0
+
+
+def test_requests_that_wait_for_allowance_spend_nearly_the_whole_budget_and_never_more() -> None:
+    """The real node's case, modelled: two pods, a 3,000-token budget, 100 requests of one tenant reserving 90
+    tokens and billing 60 to 90. A request that does not fit here waits (rounds come when a pod asks) instead of
+    being refused; one is refused only when it does not fit what the tenant has left anywhere."""
+    rng = random.Random(7)
+    config = BudgetConfig("total", None, {"acme": TenantBudget(monthly_tokens=3_000)})
+    pods = {"a": Pod("a", 1.0), "b": Pod("b", 1.0)}
+    books: dict[str, Any] = {}
+    waiting = {uid: [rng.randint(60, 90) for _ in range(50)] for uid in pods}
+    spent, refused, later = 0, 0, 0
+    while any(waiting.values()) and later < 200:
+        for uid, pod in pods.items():
+            still = []
+            for billed in waiting[uid]:
+                if pod.serve("acme", 90, billed):
+                    continue
+                if pod.leases is not None and "acme" not in pod.wanted:  # not asked for: refused for good
+                    refused += 1
+                else:
+                    still.append(billed)
+            waiting[uid] = still
+            spent += sum(pod.settle(rng).values())
+        later += 1
+        run_round(config, pods, books, later=later)
+    for pod in pods.values():
+        spent += sum(pod.settle(rng, share=1.0).values())
+    run_round(config, pods, books, later=later + 1)
+    assert spent <= 3_000 and spent >= 0.95 * 3_000, spent
+    assert books["budgets"]["tenants"]["acme"]["spent"] == spent
+    assert not any(waiting.values()) and refused > 0  # everyone had an answer; the last ones did not fit

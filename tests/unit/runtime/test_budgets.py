@@ -119,12 +119,17 @@ async def test_a_request_that_fits_the_budget_waits_for_allowance_and_is_served_
 
 
 async def test_a_wait_ends_with_rate_limit_exceeded_only_when_no_allowance_came_in_time() -> None:
+    import asyncio
+
     b, _ = budgets()
     b.apply(message(1, {"acme": {"allowance": 0, "unspent": 1000}}), EPOCH)
     with pytest.raises(ApiError) as caught:
         await b.acquire("acme", 10, wait_seconds=0.2)
     assert caught.value.status == 429 and caught.value.code == RATE_CODE
     assert b.waiting == {}  # the request's demand left with it
+    assert b.asking() == {"acme": 10}  # the next scrape still leases for it (the client may retry)
+    with pytest.raises(TimeoutError):  # but nothing waits: the long-poll does not call a round at once
+        await asyncio.wait_for(b.wait_for_asks(30), 0.3)
 
 
 async def test_before_the_first_lease_a_request_waits_and_a_drain_ends_the_wait() -> None:
