@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import calendar
 import datetime
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tally_operator.samples import Counters
 from tally_operator.usage import MAX_LEDGER_TENANTS, Ledger, Reading
 from tally_runtime.contract import OTHER_TENANT
+from tally_runtime.units import Weights, label_weights, message_unit
 
 WARN_AT = 0.8  # an Event when a tenant's spend crosses this share of its budget, and at 100 %
 
@@ -116,10 +118,24 @@ class Planned:
 
 
 def counted(counters: Counters | None, count: str) -> int:
+    """A tenant's counters in a budget's unit (`count`: a count's name, or a credits label: units.py)."""
     if counters is None:
         return 0
-    prompt, completion = int(counters.prompt_tokens), int(counters.completion_tokens)
-    return {"total": prompt + completion, "completion": completion, "prompt": prompt}[count]
+    return int(_weights(count).of(int(counters.prompt_tokens), int(counters.cached_tokens),
+                                  int(counters.completion_tokens)))
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(count: str) -> Weights:
+    return label_weights(count)
+
+
+def is_unit(label: str) -> bool:
+    try:
+        label_weights(label)
+    except ValueError:
+        return False
+    return True
 
 
 def period_of(now: datetime.datetime) -> tuple[str, float]:
@@ -309,7 +325,7 @@ def _message(uid: str, epoch: float, seq: int, config: BudgetConfig, allowances:
         allowance = allowances.get(tenant, 0 if view is not None or listed else None)
         tenants[tenant] = {"allowance": allowance, "tokensPerMinute": rate(tenant),
                            "unspent": view.unspent if view is not None else None}
-    return {"podUid": uid, "epoch": epoch, "seq": seq, "count": config.count, "periodEnd": period_end,
+    return {"podUid": uid, "epoch": epoch, "seq": seq, **message_unit(config.count), "periodEnd": period_end,
             "tenants": tenants,
             "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
 
@@ -366,7 +382,7 @@ def state_from_status(raw: Mapping[str, object]) -> BudgetState:
     return BudgetState(period if isinstance(period, str) else "", counts(raw.get("periodStart")),
                        counts(raw.get("lost")), leases,
                        seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0,
-                       count if count in ("total", "completion", "prompt") else "")
+                       count if isinstance(count, str) and is_unit(count) else "")
 
 
 MAX_ENTRIES = 2000  # tenants or leases read from a status (the ledger keeps 1,001 tenants)

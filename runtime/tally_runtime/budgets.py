@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally_runtime.protocol import ApiError
+from tally_runtime.units import COUNTS, Weights, weights_of
 
 WINDOW_SECONDS = 60.0
 MAX_WANTED = 1000  # tenants asked for at once (the operator reads at most this many per pod)
 WANTED_SECONDS = 300.0  # an ask not answered in this long is dropped (the tenant asks again when refused)
-COUNTS = ("total", "completion", "prompt")
 QUOTA_CODE = "insufficient_quota"
 RATE_CODE = "rate_limit_exceeded"
 
@@ -88,7 +88,7 @@ class Budgets:
     """The pod's leases and reservations. `counter(tenant)` is the tenant's counted tokens so far."""
 
     counter: Callable[[str], float]
-    count: str = "total"
+    weights: Weights = COUNTS["total"]  # the budget's unit: what the counter counts (the lease message says)
     epoch: float = 0.0
     leases: dict[str, Lease] = field(default_factory=dict)
     starter: Lease = field(default_factory=Lease)  # for tenants the lease message does not list
@@ -253,15 +253,13 @@ class Budgets:
             raise ValueError("seq must be a positive integer")
         if seq <= self.seq:
             raise StaleLease(f"lease message {seq} is not newer than {self.seq}, the last applied")
-        count = message.get("count", "total")
-        if count not in COUNTS:
-            raise ValueError(f"count must be one of {COUNTS}")
+        weights = weights_of(message.get("count", "total"), message.get("weights"))
         tenants = message.get("tenants") or {}
         if not isinstance(tenants, Mapping):
             raise ValueError("tenants must be an object")
         leases = {str(name): _lease(raw, self.counter(str(name))) for name, raw in tenants.items()}
         starter = _lease(message.get("starter") or {}, 0.0)
-        self.count, self.leases, self.starter, self.seq = str(count), leases, starter, seq
+        self.weights, self.leases, self.starter, self.seq = weights, leases, starter, seq
         # Answered: a tenant now leased something to spend here, or with nothing left anywhere, asks no more
         self.wanted = {t: ask for t, ask in self.wanted.items()
                        if not ((t in leases and (self.remaining(t) or 0.0) > 0) or leases.get(t, starter).unspent == 0)}
@@ -314,8 +312,9 @@ def _lease(raw: object, counter: float) -> Lease:
                  None if unspent is None else float(unspent), counter, untracked[:200])
 
 
-def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, count: str) -> float:
-    """A request's worst case in counted tokens: each prompt once per choice, `max_tokens` per choice."""
+def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, weights: Weights) -> float:
+    """A request's worst case in the budget's unit: each prompt once per choice (at the dearer of its cached and
+    uncached weight: what will be cached is not known yet), `max_tokens` per choice."""
     prompt = sum(prompt_lengths) * n
     completion = len(prompt_lengths) * n * max_tokens
-    return float({"total": prompt + completion, "completion": completion, "prompt": prompt}[count])
+    return float(prompt * max(weights.prompt, weights.cached) + completion * weights.completion)

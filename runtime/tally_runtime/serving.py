@@ -87,7 +87,7 @@ class Server:
         if self.budgets is None:
             return None
         tokens = reservation_tokens([len(p) for p in job.prompts], job.n, job.sampling.max_tokens,
-                                    self.budgets.count)
+                                    self.budgets.weights)
         if self.metrics.tenant_label(tenant.name) != tenant.name:  # it would be counted under `other`: untracked
             self.budgets.refuse_untracked(tenant.name, f"this replica counts at most {self.metrics.max_tenants} "
                                                        "tenants")
@@ -103,8 +103,7 @@ class Server:
             return
         billed = 0.0
         if usage is not None:
-            billed = {"total": usage.prompt_tokens + usage.completion_tokens, "prompt": usage.prompt_tokens,
-                      "completion": usage.completion_tokens}[self.budgets.count]
+            billed = self.budgets.weights.of(usage.prompt_tokens, usage.cached_tokens or 0, usage.completion_tokens)
         self.budgets.settle(reservation, billed)
 
     def reject(self, endpoint: str, error: ApiError, tenant: Tenant, job: Job | None = None) -> None:

@@ -452,3 +452,21 @@ def test_requests_that_wait_for_allowance_spend_nearly_the_whole_budget_and_neve
     assert spent <= 3_000 and spent >= 0.95 * 3_000, spent
     assert books["budgets"]["tenants"]["acme"]["spent"] == spent
     assert not any(waiting.values()) and refused > 0  # everyone had an answer; the last ones did not fit
+
+
+def test_a_budget_in_credits_counts_each_kind_of_token_at_its_weight_and_tells_the_pods() -> None:
+    """Credits weigh prompt, cached prompt and completion tokens apart (whole numbers): the ledger's counters are
+    counted so, and the lease message names the weights the pod must count its own counter with."""
+    from tally_operator.budget import is_unit
+
+    label = "credits:2,1,8"
+    assert counted(Counters(prompt_tokens=100, cached_tokens=30, completion_tokens=10), label) == 2 * 70 + 30 + 80
+    assert is_unit(label) and is_unit("total") and not is_unit("credits:1,2") and not is_unit("credits:-1,1,1")
+    config = BudgetConfig(label, None, {"acme": TenantBudget(monthly_tokens=1_000)})
+    pod = Pod("a", 1.0)
+    pod.serve("acme", 100, 100)
+    books: dict[str, Any] = {}
+    planned = run_round(config, {"a": pod}, books)
+    message = planned.messages["a"]
+    assert message["count"] == "credits" and message["weights"] == {"prompt": 2, "cachedPrompt": 1, "completion": 8}
+    assert books["budgets"]["count"] == label and state_from_status(books["budgets"]).count == label

@@ -1,4 +1,5 @@
-"""The operator depends on the runtime only through `tally_runtime.contract`, never on an engine or a server."""
+"""The operator depends on the runtime only through `tally_runtime.contract` and `tally_runtime.units` (names,
+shapes and a budget's unit, both sides' alike; standard library only), never on an engine or a server."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ SCRIPT = textwrap.dedent(f"""
     sys.meta_path.insert(0, Blocker())
     import tally_operator.__main__, tally_operator.handlers  # every module of the operator, through its entry
     loaded = sorted(m for m in sys.modules if m.startswith("tally_runtime"))
-    assert loaded == ["tally_runtime", "tally_runtime.contract"], loaded
+    assert loaded == ["tally_runtime", "tally_runtime.contract", "tally_runtime.units"], loaded
     imported = [m for m in {RUNTIME_ONLY!r} if m in sys.modules]
     assert not imported, f"not in the operator's image: {{imported}}"
     print("ok")
 """)
 
 
-def test_the_operator_imports_only_the_contract_of_the_runtime() -> None:
+def test_the_operator_imports_only_the_contract_and_the_units_of_the_runtime() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 

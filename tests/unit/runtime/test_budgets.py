@@ -151,3 +151,24 @@ def test_insufficient_quota_tells_the_sdks_not_to_retry() -> None:
         b.reserve("acme", 11)
     assert caught.value.code == QUOTA_CODE and caught.value.headers is not None
     assert caught.value.headers["x-should-retry"] == "false"
+
+
+def test_credits_weigh_each_kind_of_token_and_a_reservation_takes_the_dearer_prompt_weight() -> None:
+    from tally_runtime.budgets import reservation_tokens
+    from tally_runtime.units import Weights
+
+    b, _ = budgets()
+    b.apply({**message(1, {}), "count": "credits", "weights": {"prompt": 2, "cachedPrompt": 1, "completion": 5}},
+            EPOCH)
+    assert b.weights == Weights(2, 1, 5)
+    assert b.weights.of(prompt=100, cached=40, completion=10) == 2 * 60 + 1 * 40 + 5 * 10
+    assert reservation_tokens([100], 2, 10, b.weights) == 2 * (100 * 2) + 2 * 10 * 5
+    for weights in (None, {"prompt": 1, "cachedPrompt": 1}, {"prompt": -1, "cachedPrompt": 0, "completion": 1},
+                    {"prompt": 1.5, "cachedPrompt": 0, "completion": 1}, {"prompt": True, "cachedPrompt": 0,
+                                                                            "completion": 1},
+                    {"prompt": 10**7, "cachedPrompt": 0, "completion": 1}):
+        with pytest.raises(ValueError):
+            b.apply({**message(2, {}), "count": "credits", "weights": weights}, EPOCH)
+    with pytest.raises(ValueError):
+        b.apply({**message(2, {}), "count": "dollars"}, EPOCH)
+    assert b.weights == Weights(2, 1, 5) and b.seq == 1  # a refused message changed nothing
