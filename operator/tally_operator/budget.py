@@ -57,9 +57,16 @@ class TenantBudget:
 
 @dataclass(frozen=True, slots=True)
 class BudgetConfig:
-    count: str = "total"  # total | completion | prompt: which tokens count
+    count: str = "total"  # the unit (units.py): total | completion | prompt, or a credits label
     default: TenantBudget | None = None  # for tenants not listed
     tenants: Mapping[str, TenantBudget] = field(default_factory=dict)
+    # Under a platform Budget (platform.py) the budgets above are this service's slices: what each tenant has
+    # left across every covered service is told to the pods apart (a request larger is refused at once)
+    anywhere: Mapping[str, int] = field(default_factory=dict)
+    default_anywhere: int | None = None
+    source: str = "spec"  # where the budgets come from: "spec" (spec.budgets) or "Budget/<name>"
+    seq: int = 0  # under a Budget: the number of its slices planned with (the Budget counts a lower one from then)
+    refused: str = ""  # why every tenant the budgets cover is refused (tenants not authenticated), if they are
 
     def of(self, tenant: str) -> TenantBudget | None:
         return self.tenants.get(tenant, self.default)
@@ -106,6 +113,8 @@ class TenantView:
     remaining: int
     tokens_per_minute: int | None
     unspent: int = 0  # the budget less what was spent and lost: what the pods' leases share
+    asked: int = 0  # what the pods' waiting requests asked for and this round could not grant
+    lost: int = 0  # leases of pods that ended unread this period
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +182,9 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                     if t not in untracked)
     budgeted = (listed + others)[:MAX_ENTRIES]
     untracked.update(dict.fromkeys((listed + others)[MAX_ENTRIES:], UNTRACKED_PLAN.format(MAX_ENTRIES)))
+    if config.refused:  # nothing the budgets cover is served, and the pods are told why
+        untracked.update(dict.fromkeys(budgeted, config.refused))
+        budgeted = []
     leases = dict(state.leases)
     # Leases of pods that left the ledger or began again: what they may have spent unread is lost for the period
     for uid, lease in sorted(state.leases.items()):
@@ -227,8 +239,10 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
             if not have and not more and not asks[uid]:
                 continue  # nothing held or asked for here: the entry goes (the status stays small; it reads as 0)
             grants[uid][tenant] = counts[uid][tenant] = used[uid] + have + more
+        unmet = sum(max(0, asks[uid] - grants[uid].get(tenant, 0) + used[uid] + outstanding.get(uid, 0))
+                    for uid in active if asks[uid])
         views[tenant] = TenantView(budget.monthly_tokens, spent, held, max(0, budget.monthly_tokens - spent - held),
-                                   budget.tokens_per_minute, unspent)
+                                   budget.tokens_per_minute, unspent, unmet, lost.get(tenant, 0))
     starter = 0 if config.default is not None else None  # a tenant not listed asks for a lease
     seq = max(state.seq + 1, int(now.timestamp() * 1000)) if grants else state.seq  # above any sent before
     messages: dict[str, dict[str, object]] = {}
@@ -243,7 +257,8 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                                  views, {t: why for t, why in untracked.items()
                                          if t in config.tenants or t in wanted.get(uid, {})})
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
-                    if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
+                    if config.source == "spec"  # a Budget's slices are no budget: the Budget's own round says
+                    and _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
     return Planned(BudgetState(period, start, lost, leases, seq, config.count), views, messages, crossed,
                    wanted_count if wanted_count != config.count else "")
 
@@ -324,10 +339,21 @@ def _message(uid: str, epoch: float, seq: int, config: BudgetConfig, allowances:
         listed = budget is not None and budget.monthly_tokens is not None
         allowance = allowances.get(tenant, 0 if view is not None or listed else None)
         tenants[tenant] = {"allowance": allowance, "tokensPerMinute": rate(tenant),
-                           "unspent": view.unspent if view is not None else None}
+                           "unspent": _anywhere(config, tenant, view)}
     return {"podUid": uid, "epoch": epoch, "seq": seq, **message_unit(config.count), "periodEnd": period_end,
             "tenants": tenants,
-            "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
+            "starter": {"allowance": starter, "tokensPerMinute": rate(None),
+                        **({"untracked": config.refused} if config.refused and starter is not None else {})}}
+
+
+def _anywhere(config: BudgetConfig, tenant: str, view: TenantView | None) -> int | None:
+    """What the tenant has left wherever it may spend: its budget here, or under a platform Budget what it has
+    left across the covered services (never less than what this service's slice has left)."""
+    here = view.unspent if view is not None else None
+    there = config.anywhere.get(tenant, config.default_anywhere if tenant not in config.tenants else None)
+    if there is None:
+        return here
+    return there if here is None else max(here, there)
 
 
 def _ledger_full(ledger: Ledger) -> bool:
@@ -347,7 +373,8 @@ def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
         "period": state.period, "count": state.count or config.count,
         **({"pendingCount": planned.pending_count} if planned.pending_count else {}),
         "tenants": {t: {"budget": v.budget, "spent": v.spent, "reserved": v.reserved, "remaining": v.remaining,
-                        "unspent": v.unspent,
+                        "unspent": v.unspent, **({"asked": v.asked} if v.asked else {}),
+                        **({"lost": v.lost} if v.lost else {}),
                         **({"tokensPerMinute": v.tokens_per_minute} if v.tokens_per_minute is not None else {})}
                     for t, v in sorted(planned.tenants.items())},
         "periodStart": dict(sorted(state.start.items())),
@@ -357,6 +384,7 @@ def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
                     **({"starter": lease.starter} if lease.starter is not None else {})}
                    for uid, lease in sorted(state.leases.items())],
         "seq": state.seq,
+        "source": config.source, **({"budgetSeq": config.seq} if config.source != "spec" else {}),
     }
 
 

@@ -174,7 +174,8 @@ class Budgets:
         if lease.allowance is not None:
             counter = self.counter(tenant)
             remaining = lease.allowance - counter - reserved
-            anywhere = math.inf if lease.unspent is None else lease.unspent - (counter - lease.counter_at) - reserved
+            anywhere = math.inf if lease.unspent is None or self.month_over() else \
+                lease.unspent - (counter - lease.counter_at) - reserved
             if tokens > remaining and tokens > anywhere:
                 self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
                              f"tokens reserved for it, {max(0.0, anywhere):.0f} left)",
@@ -196,6 +197,11 @@ class Budgets:
             recent.append(reservation)
         self.reserved[tenant] = reserved + tokens
         return reservation
+
+    def month_over(self) -> bool:
+        """The period the last message counted has ended: what it said is left is of the month before (the
+        budget is renewed), so nothing is refused for it until the next message; requests ask instead."""
+        return bool(self.period_end) and time.time() >= self.period_end
 
     def _ask(self, tenant: str, tokens: float, now: float) -> None:
         if len(self.wanted) < MAX_WANTED or tenant in self.wanted:

@@ -5,12 +5,13 @@ spend nearly all of it."""
 from __future__ import annotations
 
 import datetime
-import json
 import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from budget_model import NOW, Pod, plan, round_trip, run_round
 
 from tally_operator.budget import (
     BudgetConfig,
@@ -24,96 +25,8 @@ from tally_operator.budget import (
     plan_budgets,
     state_from_status,
 )
-from tally_operator.samples import Counters, PodSample
+from tally_operator.samples import Counters
 from tally_operator.usage import Ledger, Reading, Round, book, ledger_from_status, ledger_status
-
-NOW = datetime.datetime(2026, 12, 5, 12, 0, tzinfo=datetime.UTC)
-
-
-class Pod:
-    """A runtime as budgets.py admits: a request fits if the tenant's counter, what its requests in flight
-    reserved and its cost stay within the lease (no lease message yet: nothing fits). Requests stay in flight
-    for a while and bill at most what they reserved; lease messages apply only if numbered above the last,
-    and may lower an allowance; /metrics say what the pod may still reach under the message it applied."""
-
-    def __init__(self, uid: str, epoch: float, count: str = "total") -> None:
-        self.uid, self.epoch, self.count = uid, epoch, count
-        self.tenants: dict[str, Counters] = {}
-        self.leases: dict[str, dict[str, Any]] | None = None
-        self.starter: float | None = None
-        self.seq = 0
-        self.counter_at: dict[str, int] = {}
-        self.wanted: dict[str, int] = {}  # tenant -> tokens asked for
-        self.inflight: list[tuple[str, int, int]] = []  # (tenant, reserved, billed when it ends)
-
-    def counter(self, tenant: str) -> int:
-        return counted(self.tenants.get(tenant), self.count)
-
-    def reserved(self, tenant: str) -> int:
-        return sum(cost for t, cost, _ in self.inflight if t == tenant)
-
-    def allowance(self, tenant: str) -> float | None:
-        assert self.leases is not None
-        lease = self.leases.get(tenant)
-        return lease["allowance"] if lease is not None else self.starter
-
-    def serve(self, tenant: str, cost: int, billed: int) -> bool:
-        """Admit a request (it bills when it ends) or refuse it."""
-        if self.leases is None:  # no lease message yet: it asks
-            self.wanted[tenant] = max(self.wanted.get(tenant, 0), cost)
-            return False
-        allowance = self.allowance(tenant)
-        counter, reserved = self.counter(tenant), self.reserved(tenant)
-        if allowance is not None and counter + reserved + cost > allowance:
-            unspent = (self.leases.get(tenant) or {}).get("unspent")
-            anywhere = None if unspent is None else unspent - (counter - self.counter_at.get(tenant, 0)) - reserved
-            if anywhere is None or cost <= anywhere:
-                self.wanted[tenant] = max(self.wanted.get(tenant, 0), cost)  # asks for more here
-            return False
-        self.inflight.append((tenant, cost, billed))
-        return True
-
-    def settle(self, rng: random.Random, share: float = 0.5) -> dict[str, int]:
-        """Some requests in flight end, billing what they generated: what each tenant was billed."""
-        billed: dict[str, int] = {}
-        ending = [r for r in self.inflight if rng.random() < share]
-        for request in ending:
-            self.inflight.remove(request)
-            tenant, _, tokens = request
-            self.tenants[tenant] = self.tenants.get(tenant, Counters()).plus(
-                Counters(requests=1, prompt_tokens=tokens // 2, completion_tokens=tokens - tokens // 2))
-            billed[tenant] = billed.get(tenant, 0) + tokens
-        return billed
-
-    def apply(self, message: dict[str, Any]) -> bool:
-        if message["epoch"] != self.epoch or message["seq"] <= self.seq:
-            return False
-        self.leases, self.starter, self.seq = dict(message["tenants"]), message["starter"]["allowance"], message["seq"]
-        self.counter_at = {t: self.counter(t) for t in self.leases}
-        self.wanted = {}
-        return True
-
-    def sample(self, final: bool = False) -> PodSample:
-        totals = Counters()
-        for counters in self.tenants.values():
-            totals = totals.plus(counters)
-        reach = {t: max(lease["allowance"], self.counter(t) + self.reserved(t))
-                 for t, lease in (self.leases or {}).items() if lease["allowance"] is not None}
-        return PodSample(totals, "incremental", None, self.epoch, final, dict(self.tenants), pod_uid=self.uid,
-                         wanted=dict(self.wanted), lease_seq=self.seq, reach=reach)
-
-
-def round_trip(status: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(status))
-
-
-def plan(config: BudgetConfig, before: Ledger, after: Ledger, budgets: dict[str, Any], serving: frozenset[str],
-         samples: dict[str, PodSample], later: int = 0) -> Planned:
-    """A round as reconcile.py plans it, from the samples it read (`later` seconds on)."""
-    return plan_budgets(config, before, after, state_from_status(budgets), serving,
-                        NOW + datetime.timedelta(seconds=later),
-                        {uid: sample.wanted for uid, sample in samples.items()},
-                        {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in samples.items() if s.lease_seq})
 
 
 def test_no_tenant_ever_spends_more_than_its_budget_across_pods_that_die_restart_and_miss_scrapes() -> None:
@@ -280,6 +193,7 @@ def test_a_pods_report_lowers_what_is_counted_only_for_the_last_message_sent_to_
 ONE_ROUND = """
 import sys
 sys.path.insert(0, {here!r})
+sys.path.insert(0, {support!r})
 import test_budget as t
 pods = {{f"pod-{{i}}": t.Pod(f"pod-{{i}}", 1.0) for i in range(8)}}
 for pod in pods.values():
@@ -295,7 +209,7 @@ print(list(t.plan(config, empty, booked, {{}}, frozenset(pods), samples).message
 def test_a_round_is_planned_the_same_whatever_the_hash_seed() -> None:
     """The serving pods come as a set: the grants, and the order of their messages, must not follow its
     iteration order, which changes with the hash seed (the simulation above once took another path so)."""
-    script = ONE_ROUND.format(here=str(Path(__file__).parent))
+    script = ONE_ROUND.format(here=str(Path(__file__).parent), support=str(Path(__file__).parents[2] / "support"))
     orders = {subprocess.run([sys.executable, "-c", script], env={"PYTHONHASHSEED": str(seed), "PATH": ""},
                              capture_output=True, text=True, check=True, timeout=60).stdout
               for seed in range(1, 7)}
@@ -366,19 +280,6 @@ def test_a_count_changed_mid_month_applies_from_the_next_month() -> None:
                               datetime.datetime(2027, 1, 2, tzinfo=datetime.UTC))
     status = round_trip(budgets_status(next_month, completion))
     assert status["count"] == "completion" and "pendingCount" not in status and status["tenants"]["acme"]["spent"] == 0
-
-
-def run_round(config: BudgetConfig, pods: dict[str, Pod], books: dict[str, Any], later: int = 0) -> Planned:
-    """One round on every pod: read, book, plan, write (through JSON), deliver every message."""
-    before = ledger_from_status(books.get("usage", {}))
-    samples = {uid: p.sample() for uid, p in pods.items()}
-    booking = book(before, Round(samples, present=frozenset(pods)))
-    planned = plan(config, before, booking.ledger, books.get("budgets", {}), frozenset(pods), samples, later=later)
-    books["usage"], books["budgets"] = round_trip(ledger_status(booking.ledger)), round_trip(
-        budgets_status(planned, config))
-    for uid, message in planned.messages.items():
-        pods[uid].apply(round_trip(message))
-    return planned
 
 
 def test_a_request_larger_than_any_pods_part_is_served_when_it_fits_what_the_tenant_has_left() -> None:

@@ -172,3 +172,15 @@ def test_credits_weigh_each_kind_of_token_and_a_reservation_takes_the_dearer_pro
     with pytest.raises(ValueError):
         b.apply({**message(2, {}), "count": "dollars"}, EPOCH)
     assert b.weights == Weights(2, 1, 5) and b.seq == 1  # a refused message changed nothing
+
+
+def test_what_a_message_said_is_left_is_not_held_against_a_request_once_its_month_has_ended() -> None:
+    """A request at 00:00:05 on the 1st, before the operator's first round of the month, was refused
+    `insufficient_quota` on the month before's `unspent`; now it asks, and waits for the new month's lease."""
+    import time
+
+    b, _ = budgets()
+    b.apply({**message(1, {"acme": {"allowance": 0, "unspent": 0}}), "periodEnd": time.time() + 3600}, EPOCH)
+    assert refusal(b, "acme", 10) == QUOTA_CODE
+    b.apply({**message(2, {"acme": {"allowance": 0, "unspent": 0}}), "periodEnd": time.time() - 1}, EPOCH)
+    assert refusal(b, "acme", 10) == WAIT
