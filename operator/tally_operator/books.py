@@ -157,6 +157,9 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
                 refusals[tenant] = refusals.get(tenant, 0.0) + refused
         ctx.metrics.budgets(meta["namespace"], meta["name"], planned.budgets.tenants, refusals)
         await send_leases(ctx, scraped, planned.budgets.messages)
+        source = planned.budgets.source
+        if source.startswith("Budget/") and any(view.asked for view in planned.budgets.tenants.values()):
+            ctx.wake(("Budget", source.removeprefix("Budget/")))  # requests wait for more than this slice
     await acknowledge_final(ctx, scraped)
 
 async def send_leases(ctx: Context, scraped: Scraped, messages: Mapping[str, Mapping[str, Any]]) -> None:

@@ -124,6 +124,7 @@ class Planned:
     messages: Mapping[str, dict[str, object]]  # pod uid -> the lease message to post (after the write lands)
     crossed: tuple[tuple[str, float], ...] = ()  # (tenant, threshold) crossed by this round
     pending_count: str = ""  # the spec's count, when it is not the one in force (it applies next period)
+    source: str = "spec"  # the budgets' (BudgetConfig.source)
 
 
 def counted(counters: Counters | None, count: str) -> int:
@@ -260,7 +261,7 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                     if config.source == "spec"  # a Budget's slices are no budget: the Budget's own round says
                     and _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
     return Planned(BudgetState(period, start, lost, leases, seq, config.count), views, messages, crossed,
-                   wanted_count if wanted_count != config.count else "")
+                   wanted_count if wanted_count != config.count else "", config.source)
 
 
 def shares(pool: int, cap: int, pods: Mapping[str, tuple[int, int, int]]) -> dict[str, int]:

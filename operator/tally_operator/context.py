@@ -42,6 +42,16 @@ class Context:
     metrics: OperatorMetrics
     signer: Signer
     post_event: Post = kopf_event
+    # Wake-ups between the daemons of this process: a Budget whose services ask for more, a service whose slices
+    # changed. Keyed by (kind, name) for a Budget, (namespace, name) for a service.
+    wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+
+    def wakeup(self, key: tuple[str, str]) -> asyncio.Event:
+        """The event a daemon waits on (made on first use; cleared by the one that waits)."""
+        return self.wakeups.setdefault(key, asyncio.Event())
+
+    def wake(self, key: tuple[str, str]) -> None:
+        self.wakeup(key).set()
 
 @dataclass
 class ServiceMemory:
@@ -55,6 +65,8 @@ class ServiceMemory:
     apply_error: SpecError | None = None  # the API server's refusal, until a pass applies cleanly
     refused: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last sample was refused
     budget_notice: str = ""  # the budgets' count change announced last (an Event once, not every round)
+    spec_budgets_noted: bool = False  # spec.budgets' deprecation said (an Event once per process)
+    budgeted: bool = False  # the last pass planned budgets: its pods' asks are long-polled (handlers.py)
     scaling: Scaling = field(default_factory=lambda: Scaling())
 
 @dataclass

@@ -10,9 +10,10 @@ landed write), scaling.py (autoscaling's decision and scale), release.py (a dele
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,11 +27,13 @@ from tally_operator.autoscale import (
 from tally_operator.bookkeeping import Observed
 from tally_operator.books import commit, created_at, now, scrape_due, scrape_round
 from tally_operator.children import apply_all, pool_status, read_children, rejected, route
+from tally_operator.conditions import Verdict
 from tally_operator.context import Context, Scaling, Scraped, ServiceMemory
 from tally_operator.desired import (
     endpoint,
 )
 from tally_operator.kube import KubeError
+from tally_operator.platform import PlatformBudget, budgets_in_force
 from tally_operator.pods import is_ready, leasable_uids
 from tally_operator.policy import check_policy
 from tally_operator.scaling import autoscale, decided_replicas, held_now, rescale, serving_uids
@@ -47,13 +50,22 @@ from tally_operator.usage import (
 log = logging.getLogger("tally_operator")
 DEFAULT_SCRAPE_SECONDS = 15.0  # usageHealth.scrapeIntervalSeconds' default: a pass on an invalid spec has no other
 
-async def reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
+async def reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool,
+                    platform: Sequence[PlatformBudget] = ()) -> None:
     """One pass. Passes of the same resource (timers, events) run one at a time in this process; across
-    processes the status write's compare-and-swap keeps them apart."""
+    processes the status write's compare-and-swap keeps them apart. `platform`: the cluster's Budgets."""
     async with memory.lock:
-        await _reconcile(ctx, body, memory, apply_children)
+        await _reconcile(ctx, body, memory, apply_children, platform)
 
-async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool) -> None:
+def with_budgets(spec: Spec, meta: Mapping[str, str], labels: Mapping[str, str], platform: Sequence[PlatformBudget],
+                 pods: int) -> tuple[Spec, Verdict | None]:
+    """The spec with the budgets its pods enforce in place of spec.budgets (platform.py), and why."""
+    config, verdict = budgets_in_force(spec.budgets, bool(spec.api_keys_secret), meta["namespace"], meta["name"],
+                                       meta["uid"], labels, platform, pods, datetime.datetime.now(datetime.UTC))
+    return replace(spec, budgets=config), verdict
+
+async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply_children: bool,
+                     platform: Sequence[PlatformBudget]) -> None:
     obj = {"metadata": dict(body.meta), "spec": dict(body.spec), "status": dict(body.get("status") or {})}
     meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
     generation = int(body.meta.get("generation") or 0)
@@ -68,6 +80,11 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     except SpecError as error:  # nothing is applied, but the pods that serve are booked all the same
         await keep_books(ctx, body, memory, obj, meta, Observed(generation, invalid_verdicts(error), fields))
         return
+    labels = dict(body.meta.get("labels") or {})
+    spec, applied = with_budgets(spec, meta, labels, platform, int(obj["status"].get("readyReplicas") or 0))
+    if applied is not None and applied.reason == "SpecBudgets" and not memory.spec_budgets_noted:
+        ctx.post_event(body, "Warning", "SpecBudgetsDeprecated", applied.message)
+        memory.spec_budgets_noted = True
     # A pass that sees a generation the status has not observed applies it first: observedGeneration never
     # claims a spec whose children were not written (a status timer can run before the update handler).
     apply_children = apply_children or generation != int(obj["status"].get("observedGeneration") or 0)
@@ -94,8 +111,11 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     except SpecError as error:  # a child's name is taken by someone else's object
         memory.apply_error = error
         deployment, pods = None, []
+    spec, applied = with_budgets(spec, meta, labels, platform, len(leasable_uids(pods)))
+    memory.budgeted = spec.budgets is not None
+    budget_verdicts = [applied] if applied is not None else []
     if memory.apply_error is not None:  # until a pass applies cleanly, the rejection is the news (and books go on)
-        observed = Observed(generation, invalid_verdicts(memory.apply_error), fields,
+        observed = Observed(generation, [*invalid_verdicts(memory.apply_error), *budget_verdicts], fields,
                             max_mismatch_ratio=spec.max_mismatch_ratio, budgets=spec.budgets, keep=kept_status(spec))
         await keep_books(ctx, body, memory, obj, meta, observed, spec.scrape_interval_seconds)
         return
@@ -111,7 +131,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     fields.update(observed_fields(meta["name"], deployment, fields["endpoint"]))
     fields["desiredReplicas"] = spec.replicas  # with autoscaling, the count it decided (read from the Deployment)
     ctx.metrics.workload(meta["namespace"], meta["name"], spec.replicas, fields["readyReplicas"])
-    verdicts = workload_verdicts(spec, deployment, pods)
+    verdicts = [*workload_verdicts(spec, deployment, pods), *budget_verdicts]
     if spec.pool is not None:
         fields["routing"], routed = await asyncio.to_thread(pool_status, ctx, meta, spec)
         verdicts.append(routed)
