@@ -101,3 +101,22 @@ def test_a_platform_budget_over_two_services_is_spent_to_within_5_percent_and_ne
         assert (applied["status"], applied["reason"]) == ("True", "PlatformBudget")
     finally:
         kubectl("delete", "budget", budget_name, "--wait=false", check=False)
+
+
+def test_a_serving_namespaces_edit_role_cannot_write_a_budget(operator: ChartOperator, kube: Kubectl,
+                                                              namespace: str) -> None:
+    """Budgets were in the serving team's own spec, so namespace `edit` could raise them. A Budget is
+    cluster-scoped and no aggregated role grants it: the API server's RBAC says so for a user bound to `edit`
+    (and to `admin`) in the namespace, who may still write CompletionServices."""
+    user = f"system:serviceaccount:{namespace}:team"
+    for role in ("edit", "admin"):
+        kube("create", "rolebinding", f"team-{role}", f"--clusterrole={role}", f"--serviceaccount={namespace}:team")
+
+    def can(verb: str, resource: str) -> str:
+        return kube("auth", "can-i", verb, resource, f"--as={user}", check=False).strip()
+
+    eventually(lambda: can("create", "completionservices.serving.tally.dev") == "yes", 30, interval=0.5,
+               what="the aggregated roles in force")
+    for verb in ("create", "update", "patch", "delete"):
+        assert can(verb, "budgets.serving.tally.dev") == "no", verb
+    assert can("update", "budgets.serving.tally.dev/status") == "no"
