@@ -154,17 +154,19 @@ def decide(config: Autoscaling, history: Sequence[Observation], recommendations:
     return decision(clamp(current, config), "Steady", f"{metric} averaged {stable:.2f}: {current} pod(s)")
 
 
-def zero_step(config: Autoscaling, decision: Decision, current: int, held: int, idle_seconds: float) -> Decision:
+def zero_step(config: Autoscaling, decision: Decision, current: int, held: int, idle_seconds: float | None) -> Decision:
     """With `minReplicas: 0`, the steps to and from zero around the windows' `decision` (made with a floor of
     one pod): from zero, one pod once anything is held; to zero, from one pod, once nothing was held, ran,
-    queued or counted for the whole grace."""
+    queued or counted for the whole grace. `idle_seconds` is None when this very round saw traffic: a grace of 0
+    means after the first idle round, never on a busy one."""
     if not config.scales_to_zero:
         return decision
     if current == 0:
         if held:
             return Decision(1, "Activated", f"{held} request(s) held by the activator: starting a pod")
         return Decision(0, "Idle", "No pod and no request held")
-    if current == 1 and decision.replicas <= 1 and not held and idle_seconds >= config.scale_to_zero_grace_seconds:
+    if current == 1 and decision.replicas <= 1 and not held and idle_seconds is not None \
+            and idle_seconds >= config.scale_to_zero_grace_seconds:
         return replace(decision, replicas=0, reason="ScaledToZero",
                        message=f"No traffic for {idle_seconds:.0f}s (grace {config.scale_to_zero_grace_seconds:g}s): "
                                "no pod; the activator holds the next request")

@@ -40,8 +40,11 @@ class Observed:
     round: Round | None = None  # None: no scrape was due
     max_mismatch_ratio: float = 0.0
     budgets: BudgetConfig | None = None
-    budgets_off: bool = False  # a valid spec without budgets: their status goes (never on an invalid spec's pass)
-    serving: frozenset[str] = frozenset()  # pods a lease may be sent to: ready and not terminating
+    serving: frozenset[str] = frozenset()  # pods a lease may be sent to: started, not terminating (pods.py)
+    # Keys of the persisted status this pass carries over when it does not set them (the features that are on);
+    # every other key goes, since the status is written whole. None: every key (a pass that cannot tell which
+    # features are on, such as one on an invalid spec)
+    keep: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +79,7 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
                                    {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in observed.round.samples.items()
                                     if s.lease_seq})
             fields["budgets"] = budgets_status(budgets, observed.budgets)
-    status = build_status(previous, verdicts, now, observed.generation, fields)
-    if observed.budgets_off:
-        status.pop("budgets", None)
+    status = build_status(previous, verdicts, now, observed.generation, fields, observed.keep)
     return Plan(status=status, changed=without_times(status) != without_times(previous),
                 transitions=transitions(previous.get("conditions") or [], status["conditions"]),
                 observations=observations, booking=booking, verdict=usage_verdict, budgets=budgets)

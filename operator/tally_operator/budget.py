@@ -16,30 +16,35 @@ for every lease that may be in use. A pod whose counters began again (a new epoc
 final reading, may have spent its whole outstanding lease unread: that is counted against the budget
 (`lost`) for the period.
 
-What the tenant has left is shared equally between the pods where it is active, every round, and no pod
-holds more than the budget divided by the serving pods (what a pod that ends unread takes with it). A pod holding
-more than its share is sent a lower allowance, but the status keeps counting the higher one (the pod may be
-spending under it) until the pod's /metrics show it applied that message (its `seq`, numbered above every
-earlier one) and what it may still reach under it: only then is the difference free to lease elsewhere.
-So an idle pod never keeps a budget from the pods where its tenant is asking.
+Allowance goes where requests wait for it. A pod that cannot fit a request its tenant's budget covers holds
+it and asks at once (tally_runtime/budgets.py): its /metrics and a long-poll the operator keeps open say how
+much its waiting requests need, and the operator runs a round then rather than at the next scrape. The round
+grants the asks first, on top of what the pod holds and past any cap (a request that fits what the tenant
+has left is served; a pod whose ask cannot be met gives up what it holds to one whose ask can). The rest is
+headroom by demand (as much again as asked, twice what the pod spent since the round before), at most the
+budget divided by the serving pods per pod (what a pod that ends unread takes with it). A pod holding more
+than its part is sent a lower allowance, but the status keeps counting the higher one (the pod may be spending
+under it) until the pod's /metrics show it applied that message (its `seq`, numbered above every earlier one)
+and what it may still reach under it: only then is the difference free to lease elsewhere. So an idle pod never
+keeps a budget from the pods where its tenant is asking, and a lease entry with nothing held or asked goes.
 
-With a default budget, a tenant the ledger does not know yet has spent nothing: a pod refuses it and asks
-for it (`wanted`, from the pod's /metrics), and the next round leases it like any other. Rate limits are per
-pod: each gets an equal share of a tenant's tokens per minute.
+With a default budget, a tenant the ledger does not know yet has spent nothing: a pod holds its request and
+asks, and the round leases it like any other. Rate limits are per pod: each gets an equal share of a tenant's
+tokens per minute.
 """
 
 from __future__ import annotations
 
 import calendar
 import datetime
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from tally_operator.samples import Counters
-
-if TYPE_CHECKING:  # usage.py -> status.py -> spec.py imports this module
-    from tally_operator.usage import Ledger, Reading
+from tally_operator.usage import MAX_LEDGER_TENANTS, Ledger, Reading
+from tally_runtime.contract import OTHER_TENANT
+from tally_runtime.units import Weights, label_weights, message_unit
 
 WARN_AT = 0.8  # an Event when a tenant's spend crosses this share of its budget, and at 100 %
 
@@ -52,9 +57,16 @@ class TenantBudget:
 
 @dataclass(frozen=True, slots=True)
 class BudgetConfig:
-    count: str = "total"  # total | completion | prompt: which tokens count
+    count: str = "total"  # the unit (units.py): total | completion | prompt, or a credits label
     default: TenantBudget | None = None  # for tenants not listed
     tenants: Mapping[str, TenantBudget] = field(default_factory=dict)
+    # Under a platform Budget (platform.py) the budgets above are this service's slices: what each tenant has
+    # left across every covered service is told to the pods apart (a request larger is refused at once)
+    anywhere: Mapping[str, int] = field(default_factory=dict)
+    default_anywhere: int | None = None
+    source: str = "spec"  # where the budgets come from: "spec" (spec.budgets) or "Budget/<name>"
+    seq: int = 0  # under a Budget: the number of its slices planned with (the Budget counts a lower one from then)
+    refused: str = ""  # why every tenant the budgets cover is refused (tenants not authenticated), if they are
 
     def of(self, tenant: str) -> TenantBudget | None:
         return self.tenants.get(tenant, self.default)
@@ -86,6 +98,11 @@ class BudgetState:
     lost: Mapping[str, int] = field(default_factory=dict)  # tenant -> leases that ended unread this period
     leases: Mapping[str, PodLease] = field(default_factory=dict)  # pod uid -> its lease
     seq: int = 0  # the number of the last lease messages sent
+    count: str = ""  # the count in force this period (a change in the spec applies from the next period)
+
+
+UNTRACKED_LEDGER = f"the service's ledger holds {MAX_LEDGER_TENANTS} tenants already"
+UNTRACKED_PLAN = "the budgets plan at most {} tenants a service"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +113,8 @@ class TenantView:
     remaining: int
     tokens_per_minute: int | None
     unspent: int = 0  # the budget less what was spent and lost: what the pods' leases share
+    asked: int = 0  # what the pods' waiting requests asked for and this round could not grant
+    lost: int = 0  # leases of pods that ended unread this period
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +123,29 @@ class Planned:
     tenants: Mapping[str, TenantView]
     messages: Mapping[str, dict[str, object]]  # pod uid -> the lease message to post (after the write lands)
     crossed: tuple[tuple[str, float], ...] = ()  # (tenant, threshold) crossed by this round
+    pending_count: str = ""  # the spec's count, when it is not the one in force (it applies next period)
+    source: str = "spec"  # the budgets' (BudgetConfig.source)
 
 
 def counted(counters: Counters | None, count: str) -> int:
+    """A tenant's counters in a budget's unit (`count`: a count's name, or a credits label: units.py)."""
     if counters is None:
         return 0
-    prompt, completion = int(counters.prompt_tokens), int(counters.completion_tokens)
-    return {"total": prompt + completion, "completion": completion, "prompt": prompt}[count]
+    return int(_weights(count).of(int(counters.prompt_tokens), int(counters.cached_tokens),
+                                  int(counters.completion_tokens)))
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(count: str) -> Weights:
+    return label_weights(count)
+
+
+def is_unit(label: str) -> bool:
+    try:
+        label_weights(label)
+    except ValueError:
+        return False
+    return True
 
 
 def period_of(now: datetime.datetime) -> tuple[str, float]:
@@ -122,18 +157,35 @@ def period_of(now: datetime.datetime) -> tuple[str, float]:
 
 def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
                  serving: frozenset[str], now: datetime.datetime,
-                 wanted: Mapping[str, frozenset[str]] | None = None,
+                 wanted: Mapping[str, Mapping[str, int]] | None = None,
                  reports: Mapping[str, LeaseReport] | None = None) -> Planned:
     """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
     period, period_end = period_of(now)
     start, lost = dict(state.start), dict(state.lost)
-    if state.period != period:  # a new month: spend counts from here; leases still out count against it
+    wanted_count = config.count
+    if state.period != period:  # a new month: spend counts from here, in the spec's count
         start = {t: counted(c, config.count) for t, c in after.tenants.items()}
         lost = {}
+    elif state.count and state.count != config.count:
+        # the month's start and what was lost are in the count in force: a change applies from the next month
+        config = replace(config, count=state.count)
     wanted, reports = wanted or {}, reports or {}
     asked = {t for tenants in wanted.values() for t in tenants}
     known = set(after.tenants) | asked | {t for lease in state.leases.values() for t in lease.allowances}
-    budgeted = sorted(set(config.tenants) | (known if config.default is not None else set()))[:MAX_ENTRIES]
+    # Fail closed: a tenant whose spend the ledger cannot keep apart (it would be booked to `other`) or that the
+    # plan cannot hold is never granted anything; its pods refuse it, saying why (never a fresh allowance)
+    untracked = dict.fromkeys(sorted(t for t in known | set(config.tenants)
+                                     if t != OTHER_TENANT and t not in after.tenants and _ledger_full(after)),
+                              UNTRACKED_LEDGER)
+    # The spec's own tenants first (never cut by names a pod asks for), then the others a default covers
+    listed = sorted(t for t in config.tenants if t not in untracked)
+    others = sorted(t for t in (known if config.default is not None else set()) - set(config.tenants)
+                    if t not in untracked)
+    budgeted = (listed + others)[:MAX_ENTRIES]
+    untracked.update(dict.fromkeys((listed + others)[MAX_ENTRIES:], UNTRACKED_PLAN.format(MAX_ENTRIES)))
+    if config.refused:  # nothing the budgets cover is served, and the pods are told why
+        untracked.update(dict.fromkeys(budgeted, config.refused))
+        budgeted = []
     leases = dict(state.leases)
     # Leases of pods that left the ledger or began again: what they may have spent unread is lost for the period
     for uid, lease in sorted(state.leases.items()):
@@ -167,28 +219,31 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
         free = max(0, budget.monthly_tokens - spent - held)
         # Only where the tenant is active (counted, asked for, or leased already): the status stays small
         active = [uid for uid in sorted(grants) if _active(uid, tenant, after.readings[uid], leases, wanted)]
-        # Each its equal part of what is left, and at most its part of the budget: a pod that ends unread (its
-        # outstanding lease then lost for the month) never takes more than that with it
-        share = min(unspent // len(active), budget.monthly_tokens // len(grants)) if active else 0
+        used = {uid: _used(after.readings[uid], tenant, config.count) for uid in active}
+        asks = {uid: wanted.get(uid, {}).get(tenant, 0) for uid in active}
+        recent = {uid: max(0, used[uid] - _used(before.readings.get(uid), tenant, config.count)) for uid in active}
+        elsewhere = sum(v for uid, v in outstanding.items() if uid not in used)
+        targets = shares(unspent - elsewhere, budget.monthly_tokens // max(1, len(grants)),
+                         {uid: (outstanding.get(uid, 0), asks[uid], recent[uid]) for uid in active})
         for uid in active:  # takings back first: they free nothing until confirmed, but must not be given twice
-            reading = after.readings[uid]
-            used = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
             have = outstanding.get(uid, 0)
-            reach = used + have  # what the pod may reach now (at least its counter)
-            if have > share:
-                grants[uid][tenant], counts[uid][tenant] = used + share, reach
-        for uid in active:
+            if have > targets[uid]:
+                grants[uid][tenant], counts[uid][tenant] = used[uid] + targets[uid], used[uid] + have
+        # Then what is free, to the pods whose requests wait for it first (the largest ask first), then the rest
+        for uid in sorted(active, key=lambda u: (-asks[u], u)):
             if tenant in grants[uid]:
                 continue
-            reading = after.readings[uid]
-            used = counted(reading.tenants.get(tenant) if reading.tenants else None, config.count)
             have = outstanding.get(uid, 0)
-            more = min(share - have, free)
+            more = min(targets[uid] - have, free)
             free -= more
             held += more
-            grants[uid][tenant] = counts[uid][tenant] = used + have + more
+            if not have and not more and not asks[uid]:
+                continue  # nothing held or asked for here: the entry goes (the status stays small; it reads as 0)
+            grants[uid][tenant] = counts[uid][tenant] = used[uid] + have + more
+        unmet = sum(max(0, asks[uid] - grants[uid].get(tenant, 0) + used[uid] + outstanding.get(uid, 0))
+                    for uid in active if asks[uid])
         views[tenant] = TenantView(budget.monthly_tokens, spent, held, max(0, budget.monthly_tokens - spent - held),
-                                   budget.tokens_per_minute, unspent)
+                                   budget.tokens_per_minute, unspent, unmet, lost.get(tenant, 0))
     starter = 0 if config.default is not None else None  # a tenant not listed asks for a lease
     seq = max(state.seq + 1, int(now.timestamp() * 1000)) if grants else state.seq  # above any sent before
     messages: dict[str, dict[str, object]] = {}
@@ -200,10 +255,41 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                        else 0) for t, v in counts[uid].items()}
         leases[uid] = PodLease(reading.epoch, kept, starter, seq)
         messages[uid] = _message(uid, reading.epoch, seq, config, allowances, starter, len(grants), period_end,
-                                 views)
+                                 views, {t: why for t, why in untracked.items()
+                                         if t in config.tenants or t in wanted.get(uid, {})})
     crossed = tuple((tenant, mark) for tenant, view in views.items() for mark in (WARN_AT, 1.0)
-                    if _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
-    return Planned(BudgetState(period, start, lost, leases, seq), views, messages, crossed)
+                    if config.source == "spec"  # a Budget's slices are no budget: the Budget's own round says
+                    and _spent_before(state, before, tenant, config) < mark * view.budget <= view.spent)
+    return Planned(BudgetState(period, start, lost, leases, seq, config.count), views, messages, crossed,
+                   wanted_count if wanted_count != config.count else "", config.source)
+
+
+def shares(pool: int, cap: int, pods: Mapping[str, tuple[int, int, int]]) -> dict[str, int]:
+    """What each pod where a tenant is active should hold of `pool` (what the tenant has left, less what pods
+    elsewhere hold), given per pod (what it holds, what its waiting requests ask for, what it spent since the
+    round before).
+
+    The asks come first, the largest first: what the pod holds and what it asks for, as far as the pool goes
+    and whatever the cap (a request that fits what the tenant has left is served; a pod whose ask the pool
+    cannot meet gives up what it holds to the one that can). What is left is headroom, so that a busy pod need
+    not ask for every request: by demand, as much again as it asks for and twice what it spent since the round
+    before (an idle pod's is 0: what it holds is taken back for the pods that ask), and at most `cap` (the
+    budget divided by the serving pods): what a pod that ends unread takes with it."""
+    targets: dict[str, int] = {}
+    left = max(0, pool)
+    for uid in sorted((u for u, (_, ask, _) in pods.items() if ask), key=lambda u: (-pods[u][1], u)):
+        have, ask, _ = pods[uid]
+        targets[uid] = min(have + ask, left)
+        left -= targets[uid]
+    demand = {uid: 1 + ask + recent for uid, (_, ask, recent) in pods.items()}
+    total = sum(demand.values())
+    for uid, (_, ask, recent) in pods.items():
+        targets[uid] = targets.get(uid, 0) + min(cap, left * demand[uid] // total, ask + 2 * recent)
+    return targets
+
+
+def _used(reading: Reading | None, tenant: str, count: str) -> int:
+    return counted(reading.tenants.get(tenant) if reading is not None and reading.tenants else None, count)
 
 
 def confirmed_lease(lease: PodLease, reading: Reading | None, report: LeaseReport | None) -> PodLease:
@@ -227,29 +313,52 @@ def _outstanding(lease: PodLease, reading: Reading | None, tenant: str, count: s
 
 
 def _active(uid: str, tenant: str, reading: Reading, leases: Mapping[str, PodLease],
-            wanted: Mapping[str, frozenset[str]]) -> bool:
+            wanted: Mapping[str, Mapping[str, int]]) -> bool:
     lease = leases.get(uid)
-    return bool(reading.tenants and tenant in reading.tenants) or tenant in wanted.get(uid, frozenset()) or \
+    return bool(reading.tenants and tenant in reading.tenants) or tenant in wanted.get(uid, {}) or \
         (lease is not None and lease.epoch == reading.epoch and tenant in lease.allowances)
 
 
 def _message(uid: str, epoch: float, seq: int, config: BudgetConfig, allowances: Mapping[str, int],
-             starter: int | None, pods: int, period_end: float, views: Mapping[str, TenantView]) -> dict[str, object]:
+             starter: int | None, pods: int, period_end: float, views: Mapping[str, TenantView],
+             untracked: Mapping[str, str]) -> dict[str, object]:
     """What the pod is told: every tenant it has an allowance for, every listed tenant (one with a budget but
-    no allowance here gets 0 and asks), and what a tenant not listed gets (`starter`)."""
+    no allowance here gets 0 and asks), what a tenant not listed gets (`starter`), and the tenants it asked for
+    or lists whose books cannot be kept (refused, with why). A listed tenant never gets `allowance: None`."""
     def rate(tenant: str | None) -> int | None:
         budget = config.of(tenant) if tenant is not None else config.default
         return None if budget is None or budget.tokens_per_minute is None else budget.tokens_per_minute // pods
 
-    tenants: dict[str, dict[str, int | bool | None]] = {}
-    for tenant in sorted(set(allowances) | set(config.tenants)):
+    tenants: dict[str, dict[str, int | str | None]] = {}
+    for tenant in sorted(set(allowances) | set(config.tenants) | set(untracked)):
         view = views.get(tenant)
-        allowance = allowances.get(tenant, 0 if view is not None else None)
+        if tenant in untracked:
+            tenants[tenant] = {"allowance": 0, "tokensPerMinute": rate(tenant), "unspent": 0,
+                               "untracked": untracked[tenant]}
+            continue
+        budget = config.of(tenant)
+        listed = budget is not None and budget.monthly_tokens is not None
+        allowance = allowances.get(tenant, 0 if view is not None or listed else None)
         tenants[tenant] = {"allowance": allowance, "tokensPerMinute": rate(tenant),
-                           "unspent": view.unspent if view is not None else None}
-    return {"podUid": uid, "epoch": epoch, "seq": seq, "count": config.count, "periodEnd": period_end,
+                           "unspent": _anywhere(config, tenant, view)}
+    return {"podUid": uid, "epoch": epoch, "seq": seq, **message_unit(config.count), "periodEnd": period_end,
             "tenants": tenants,
-            "starter": {"allowance": starter, "tokensPerMinute": rate(None)}}
+            "starter": {"allowance": starter, "tokensPerMinute": rate(None),
+                        **({"untracked": config.refused} if config.refused and starter is not None else {})}}
+
+
+def _anywhere(config: BudgetConfig, tenant: str, view: TenantView | None) -> int | None:
+    """What the tenant has left wherever it may spend: its budget here, or under a platform Budget what it has
+    left across the covered services (never less than what this service's slice has left)."""
+    here = view.unspent if view is not None else None
+    there = config.anywhere.get(tenant, config.default_anywhere if tenant not in config.tenants else None)
+    if there is None:
+        return here
+    return there if here is None else max(here, there)
+
+
+def _ledger_full(ledger: Ledger) -> bool:
+    return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants) >= MAX_LEDGER_TENANTS
 
 
 def _spent_before(state: BudgetState, before: Ledger, tenant: str, config: BudgetConfig) -> int:
@@ -262,9 +371,11 @@ def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
     """`status.budgets`: what each tenant has left, and the leases and period totals they stand on."""
     state = planned.state
     return {
-        "period": state.period, "count": config.count,
+        "period": state.period, "count": state.count or config.count,
+        **({"pendingCount": planned.pending_count} if planned.pending_count else {}),
         "tenants": {t: {"budget": v.budget, "spent": v.spent, "reserved": v.reserved, "remaining": v.remaining,
-                        "unspent": v.unspent,
+                        "unspent": v.unspent, **({"asked": v.asked} if v.asked else {}),
+                        **({"lost": v.lost} if v.lost else {}),
                         **({"tokensPerMinute": v.tokens_per_minute} if v.tokens_per_minute is not None else {})}
                     for t, v in sorted(planned.tenants.items())},
         "periodStart": dict(sorted(state.start.items())),
@@ -274,6 +385,7 @@ def budgets_status(planned: Planned, config: BudgetConfig) -> dict[str, object]:
                     **({"starter": lease.starter} if lease.starter is not None else {})}
                    for uid, lease in sorted(state.leases.items())],
         "seq": state.seq,
+        "source": config.source, **({"budgetSeq": config.seq} if config.source != "spec" else {}),
     }
 
 
@@ -295,10 +407,11 @@ def state_from_status(raw: Mapping[str, object]) -> BudgetState:
             leases[str(item["uid"])] = PodLease(float(item["epoch"]), counts(item.get("tenants")),
                                                 starter if isinstance(starter, int) and starter >= 0 else None,
                                                 seq if isinstance(seq, int) and not isinstance(seq, bool) else 0)
-    period, seq = raw.get("period"), raw.get("seq")
+    period, seq, count = raw.get("period"), raw.get("seq"), raw.get("count")
     return BudgetState(period if isinstance(period, str) else "", counts(raw.get("periodStart")),
                        counts(raw.get("lost")), leases,
-                       seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0)
+                       seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0,
+                       count if isinstance(count, str) and is_unit(count) else "")
 
 
 MAX_ENTRIES = 2000  # tenants or leases read from a status (the ledger keeps 1,001 tenants)

@@ -5,6 +5,8 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "CompletionService"
 PLURAL = "completionservices"
+BUDGET_KIND = "Budget"  # cluster-scoped: the platform team's (platform.py)
+BUDGET_PLURAL = "budgets"
 
 FIELD_MANAGER = "tally-operator"
 
@@ -52,6 +54,7 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 USAGE_HEALTHY = "UsageHealthy"
+BUDGET_APPLIED = "BudgetApplied"  # which budgets the service's pods enforce (platform.py), or why none
 
 # Reasons (CamelCase)
 REASON_AVAILABLE = "AllReplicasReady"

@@ -10,8 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tally_operator import constants as c
+from tally_operator.samples import MAX_TENANTS_PER_POD
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import Spec
+from tally_runtime.contract import READY_PATH
 
 Obj = dict[str, Any]
 
@@ -88,8 +90,8 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
         # $(POD_NAME) is the pod's own name (downward API), expanded by the kubelet
         args += ["--usage-records-format", "cloudevents",
                  f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]
-    if spec.budgets is not None:
-        args.append("--budgets")
+    if spec.budgets is not None:  # every tenant a pod may be sent counted apart (a tenant past it is refused)
+        args += ["--budgets", "--max-tenants", str(MAX_TENANTS_PER_POD)]
     if spec.records_url:  # spooled next to the journal, on the pod's volume
         args += ["--usage-records-url", spec.records_url]
         if spec.records_format != "cloudevents":
@@ -117,10 +119,11 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
     return args
 
 
-def _probe(period: int, failures: int) -> Obj:
-    """/health on the metrics port: its connections are capped apart from the API's (http_limits.py), so API
-    clients holding every API connection cannot fail the kubelet's probes."""
-    return {"httpGet": {"path": "/health", "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": period,
+def _probe(period: int, failures: int, path: str = "/health") -> Obj:
+    """/health (or /ready: /health, and with budgets the first lease held) on the metrics port: its connections
+    are capped apart from the API's (http_limits.py), so API clients holding every API connection cannot fail
+    the kubelet's probes."""
+    return {"httpGet": {"path": path, "port": c.RUNTIME_METRICS_PORT_NAME}, "periodSeconds": period,
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
@@ -156,7 +159,7 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
         "volumeMounts": mounts,
         # Model loads are slow: the startup probe gets the whole budget, liveness only starts after it.
         "startupProbe": _probe(10, max(3, spec.startup_seconds // 10)),
-        "readinessProbe": _probe(5, 2),
+        "readinessProbe": _probe(5, 2, READY_PATH),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "livenessProbe": _probe(10, 3),
         "securityContext": {"runAsNonRoot": True, "runAsUser": c.RUNTIME_UID, "allowPrivilegeEscalation": False,

@@ -8,23 +8,36 @@ else a pass needs is the `Context` built at start-up and kept in kopf's operator
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import kopf
 
 from tally_operator import constants as c
+from tally_operator.asks import asked
+from tally_operator.budget_round import budget_round
+from tally_operator.context import Context, ServiceMemory
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, ServiceMemory, held_now, reconcile, release_pods
+from tally_operator.platform import BudgetSpecError, PlatformBudget, parse_budget
+from tally_operator.reconcile import reconcile
+from tally_operator.release import release_pods
+from tally_operator.scaling import held_now
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
+from tally_operator.spec import SpecError
 
 SETTINGS = OperatorSettings.from_env()
 RETRY_SECONDS = 10
 RELEASE_TRIES = 30  # about a minute of releasing a deleted service's pods as they start to drain
 ACTIVATION_POLL_SECONDS = 25  # the activator long-poll's length (it returns at once when something is held)
+ASKS_POLL_SECONDS = 25  # the budget asks long-poll's length (it returns at once when a request waits)
+ASKS_PACE_SECONDS = 0.5  # at most two rounds a second while requests wait for allowance
+BUDGET_ROUND_SECONDS = 5.0  # a Budget's rounds when no service asks for more
 
 
 @kopf.on.startup()
@@ -62,18 +75,18 @@ async def forget(name: str, namespace: str | None, uid: str, memo: kopf.Memo, re
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
 @kopf.on.create(c.GROUP, c.VERSION, c.PLURAL)
 @kopf.on.update(c.GROUP, c.VERSION, c.PLURAL)
-async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await run(body, memo, apply_children=True)
+async def on_change(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    await run(body, memo, apply_children=True, platform=platform(kwargs))
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.reconcile_interval, initial_delay=5)
-async def periodic_reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await run(body, memo, apply_children=True)
+async def periodic_reconcile(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    await run(body, memo, apply_children=True, platform=platform(kwargs))
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=SETTINGS.status_interval, idle=0)
-async def refresh_status(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await run(body, memo, apply_children=False)
+async def refresh_status(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    await run(body, memo, apply_children=False, platform=platform(kwargs))
 
 
 def scales_to_zero(spec: kopf.Spec, **_: Any) -> bool:
@@ -82,7 +95,7 @@ def scales_to_zero(spec: kopf.Spec, **_: Any) -> bool:
 
 
 @kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, when=scales_to_zero, cancellation_timeout=5)
-async def activation(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+async def activation(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
     """With scale to zero: long-poll the activator, and run a pass as soon as it holds a request (which
     starts a pod at zero, and points the Service back at the pods once one is ready), then every second
     while anything is held."""
@@ -91,19 +104,97 @@ async def activation(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
         try:
             held = await held_now(memo.context, meta, wait=ACTIVATION_POLL_SECONDS)
             if held.requests:
-                await run(body, memo, apply_children=False)
+                await run(body, memo, apply_children=False, platform=platform(kwargs))
         except (KubeError, kopf.TemporaryError) as error:
             logging.getLogger("tally_operator").info("Activation check of %s/%s failed: %s", meta["namespace"],
                                                      meta["name"], error)
         await stopped.wait(1.0)  # paces the loop: a long-poll with something held answers at once
 
 
-async def run(body: kopf.Body, memo: kopf.Memo, apply_children: bool) -> None:
-    """The resource's pass, with its own memory; a transient API error is retried by kopf."""
-    memory = memo.get("service")
-    if memory is None:
-        memory = memo["service"] = ServiceMemory()
+@kopf.index(c.GROUP, c.VERSION, c.BUDGET_PLURAL)
+def budget_index(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
+    """The cluster's Budgets as the API server last told (kopf starts no handler before this is filled): every
+    pass reads which one covers its service from here, not from the API server."""
+    return {name: {"metadata": dict(body.meta), "spec": dict(body.spec), "status": dict(body.get("status") or {})}}
+
+
+def platform(kwargs: Mapping[str, Any]) -> list[PlatformBudget]:
+    """The Budgets a handler was given (the index); one that cannot be read covers nothing (its own status says
+    why)."""
+    index = kwargs.get("budget_index")
+    budgets = []
+    for store in (index.values() if index is not None else []):
+        for obj in store:
+            try:
+                budgets.append(parse_budget(obj))
+            except BudgetSpecError:
+                continue
+    return budgets
+
+
+@kopf.daemon(c.GROUP, c.VERSION, c.PLURAL, cancellation_timeout=5)
+async def budget_asks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    """With budgets (the pass says: memory.budgeted): long-poll the pods, and run a round (scrape, book, lease) as
+    soon as a request waits for allowance or a started pod waits for its first lease, or its Budget changed its
+    slices, instead of at the next scrape: a top-up comes in about a second."""
+    meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
+    ctx: Context = memo.context
+    woken = ctx.wakeup((meta["namespace"], meta["name"]))
+    while not stopped:
+        try:
+            if await asked_or_woken(ctx, meta, woken, memory(memo).budgeted):
+                woken.clear()
+                memory(memo).scrape_now = True
+                await run(body, memo, apply_children=False, platform=platform(kwargs))
+        except (KubeError, SpecError, kopf.TemporaryError) as error:
+            logging.getLogger("tally_operator").info("Budget asks of %s/%s not read: %s", meta["namespace"],
+                                                     meta["name"], error)
+        await stopped.wait(ASKS_PACE_SECONDS)
+
+
+async def asked_or_woken(ctx: Context, meta: Mapping[str, str], woken: asyncio.Event, budgeted: bool) -> bool:
+    """Whether a round should run now: a pod asks (only when budgeted), or the service was woken; at most a
+    long-poll's time."""
+    waits: list[asyncio.Task[bool]] = [asyncio.create_task(woken.wait())]
+    if budgeted:
+        waits.append(asyncio.create_task(asked(ctx, meta, wait=ASKS_POLL_SECONDS)))
     try:
-        await reconcile(memo.context, body, memory, apply_children)
+        done, _ = await asyncio.wait(waits, timeout=ASKS_POLL_SECONDS + 5, return_when=asyncio.FIRST_COMPLETED)
+        return woken.is_set() or any(task.result() is True for task in done if not task.exception())
+    finally:
+        for task in waits:
+            task.cancel()
+
+
+@kopf.daemon(c.GROUP, c.VERSION, c.BUDGET_PLURAL, cancellation_timeout=5)
+async def budget_rounds(name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    """A platform Budget's rounds (budget_round.py): every BUDGET_ROUND_SECONDS, and at once when a service it
+    covers has requests waiting for more than its slice."""
+    ctx: Context = memo.context
+    woken = ctx.wakeup(("Budget", name))
+    while not stopped:
+        woken.clear()
+        try:
+            if not await budget_round(ctx, name, platform(kwargs)):
+                return
+        except KubeError as error:
+            logging.getLogger("tally_operator").info("Budget %s: round failed: %s", name, error)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), BUDGET_ROUND_SECONDS)
+        await stopped.wait(ASKS_PACE_SECONDS)
+
+
+def memory(memo: kopf.Memo) -> ServiceMemory:
+    """The resource's own memory (kopf keeps one memo per resource, across passes and handlers)."""
+    kept = memo.get("service")
+    if kept is None:
+        kept = memo["service"] = ServiceMemory()
+    return kept
+
+
+async def run(body: kopf.Body, memo: kopf.Memo, apply_children: bool, platform: list[PlatformBudget]) -> None:
+    """The resource's pass, with its own memory; a transient API error is retried by kopf."""
+    try:
+        await reconcile(memo.context, body, memory(memo), apply_children, platform)
     except KubeError as error:  # only transient ones leave the pass
         raise kopf.TemporaryError(f"API server: {error.status} {error.message}", delay=RETRY_SECONDS) from error

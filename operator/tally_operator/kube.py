@@ -110,7 +110,7 @@ class Kube:
         return dict(result.to_dict())
 
     @_sorted_errors
-    def get(self, api_version: str, kind: str, name: str, namespace: str) -> Obj | None:
+    def get(self, api_version: str, kind: str, name: str, namespace: str | None) -> Obj | None:
         try:
             return dict(self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict())
         except NotFoundError:
@@ -127,13 +127,16 @@ class Kube:
         return True
 
     @_sorted_errors
-    def patch_status(self, api_version: str, kind: str, name: str, namespace: str, status: Obj,
-                     resource_version: str) -> Obj:
-        """Write `status` only if the object is still at `resource_version` (compare-and-swap: a 409
-        `KubeError` otherwise). Lists and the given keys are replaced whole; keys not given are kept."""
-        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        result = self._resource(api_version, kind).status.patch(
-            body=body, name=name, namespace=namespace, content_type="application/merge-patch+json")
+    def replace_status(self, api_version: str, kind: str, name: str, namespace: str | None, status: Obj,
+                       resource_version: str) -> Obj:
+        """Write `status` whole (a key it lacks is gone afterwards: a merge patch keeps what it does not name, and
+        `{}` deletes nothing), only if the object is still at `resource_version` (compare-and-swap: a 409
+        `KubeError` otherwise)."""
+        body = {"apiVersion": api_version, "kind": kind,
+                "metadata": {"name": name, "resourceVersion": resource_version,
+                             **({"namespace": namespace} if namespace is not None else {})},
+                "status": status}
+        result = self._resource(api_version, kind).status.replace(body=body, name=name, namespace=namespace)
         return dict(result.to_dict())
 
     @_sorted_errors

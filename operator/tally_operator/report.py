@@ -3,6 +3,7 @@ Prometheus; with `--since`, the usage of a period: the difference from a snapsho
 
     kubectl get completionservices -A -o json > 2026-12.json          # at the start of the period
     kubectl get completionservices -A -o json | tally-usage --since 2026-12.json
+    kubectl get budgets -o json | tally-usage                          # each tenant's month under each Budget
 
 The ledger's totals only rise while a CompletionService exists, so the difference of two snapshots of one
 service is exactly what it booked in between. A service deleted and created again has a new uid and a new
@@ -53,6 +54,33 @@ def rows(document: Mapping[str, Any]) -> list[Row]:
     return found
 
 
+BUDGET_FIELDS = ("budget", "spent", "held", "remaining")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRow:
+    budget: str
+    period: str
+    tenant: str
+    counts: tuple[int, ...]  # BUDGET_FIELDS, in order
+
+
+def budget_rows(document: Mapping[str, Any]) -> list[BudgetRow]:
+    """Every tenant's month of every platform Budget in `kubectl get budgets -o json` output."""
+    items = document.get("items") if document.get("kind", "").endswith("List") else [document]
+    found = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, Mapping) or item.get("kind") != "Budget":
+            continue
+        status = item.get("status") or {}
+        tenants = status.get("tenants") or {}
+        for tenant, counts in sorted(tenants.items() if isinstance(tenants, Mapping) else []):
+            if isinstance(counts, Mapping):
+                found.append(BudgetRow(str((item.get("metadata") or {}).get("name", "")), str(status.get("period", "")),
+                                       str(tenant), tuple(_count(counts.get(f)) for f in BUDGET_FIELDS)))
+    return found
+
+
 def period(now: Sequence[Row], start: Sequence[Row]) -> list[Row]:
     """What each tenant used between two snapshots: now minus start, per service (by uid) and tenant."""
     earlier = {(r.namespace, r.service, r.tenant): r for r in start}
@@ -99,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args(argv)
     try:
-        found = rows(_load(args.input))
+        document = _load(args.input)
+        found, months = rows(document), budget_rows(document)
         if args.since:
             found = period(found, rows(_load(args.since)))
     except (ReportError, OSError) as err:
@@ -109,14 +138,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in found:
             print(json.dumps({"namespace": row.namespace, "service": row.service, "tenant": row.tenant,
                               **dict(zip(FIELDS, row.counts, strict=True))}))
+        for month in months:
+            print(json.dumps({"budgetObject": month.budget, "period": month.period, "tenant": month.tenant,
+                              **dict(zip(BUDGET_FIELDS, month.counts, strict=True))}))
         return 0
-    table: list[tuple[str, ...]] = [("NAMESPACE", "SERVICE", "TENANT", "REQUESTS", "PROMPT", "COMPLETION", "CACHED")]
-    table += [(r.namespace, r.service, r.tenant, *map(str, r.counts)) for r in found]
+    if months and not found:  # `kubectl get budgets -o json`
+        _print([("BUDGET", "PERIOD", "TENANT", "LIMIT", "SPENT", "HELD", "REMAINING"),
+                *((m.budget, m.period, m.tenant, *map(str, m.counts)) for m in months)], 3)
+        return 0
+    _print([("NAMESPACE", "SERVICE", "TENANT", "REQUESTS", "PROMPT", "COMPLETION", "CACHED"),
+            *((r.namespace, r.service, r.tenant, *map(str, r.counts)) for r in found)], 3)
+    return 0
+
+
+def _print(table: Sequence[tuple[str, ...]], text_columns: int) -> None:
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     for line in table:
-        print("  ".join(cell.ljust(width) if i < 3 else cell.rjust(width)
+        print("  ".join(cell.ljust(width) if i < text_columns else cell.rjust(width)
                         for i, (cell, width) in enumerate(zip(line, widths, strict=True))).rstrip())
-    return 0
 
 
 if __name__ == "__main__":

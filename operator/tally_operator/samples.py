@@ -66,7 +66,7 @@ class PodSample:
     all_requests: float = 0.0  # requests of every outcome, refused ones included (the final-read handshake)
     pod_uid: str = ""  # the pod the runtime says it is (downward API)
     load: Mapping[str, float] = field(default_factory=dict)  # autoscaling signals: gauge name -> value
-    wanted: frozenset[str] = frozenset()  # tenants refused for want of a lease (budget.py grants them one)
+    wanted: Mapping[str, int] = field(default_factory=dict)  # tenant -> tokens its requests wait for (budget.py)
     refusals: Mapping[str, float] = field(default_factory=dict)  # tenant -> 429s for its budget or rate, so far
     lease_seq: int = 0  # the number of the lease message the pod applied last (0: none)
     reach: Mapping[str, int] = field(default_factory=dict)  # tenant -> counter value the pod may still reach
@@ -123,7 +123,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     gauges: dict[str, float] = {}
     tenants: dict[str, dict[str, float]] = {}
     all_requests = 0.0
-    wanted: set[str] = set()
+    wanted: dict[str, int] = {}
     refusals: dict[str, float] = {}
     reach: dict[str, int] = {}
     lease_seq = 0
@@ -159,8 +159,8 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                 elif sample.name == contract.BUDGET_REACH:  # rounded up: a bound is never understated
                     reach[sample.labels.get("tenant", "")] = math.ceil(min(sample.value, MAX_COUNT))
                 elif sample.name == contract.BUDGET_WANTED:
-                    if sample.value > 0:
-                        wanted.add(sample.labels.get("tenant", ""))
+                    if sample.value > 0:  # rounded up, and no more than a count can be
+                        wanted[sample.labels.get("tenant", "")] = math.ceil(min(sample.value, MAX_COUNT))
                 elif sample.name in _TENANT_NAMES:
                     tenant = tenants.setdefault(sample.labels.get("tenant", ""), {})
                     tenant[_TENANT_NAMES[sample.name]] = sample.value
@@ -198,7 +198,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
         if not value <= MAX_LOAD:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
     return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load,
-                     frozenset(wanted), refusals, lease_seq, reach)
+                     wanted, refusals, lease_seq, reach)
 
 
 def _check(name: str, value: float, count: bool) -> None:

@@ -102,14 +102,15 @@ def invalid_verdicts(error: SpecError) -> list[Verdict]:
 
 
 def build_status(previous: Mapping[str, Any], verdicts: Sequence[Verdict], now: str, generation: int,
-                 fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The whole new status: previous usage and budgets kept, given fields set, conditions updated in place."""
+                 fields: Mapping[str, Any], keep: frozenset[str] | None = None) -> dict[str, Any]:
+    """The whole new status (it is written whole, replacing the persisted one): the given fields, the persisted
+    keys named in `keep` that the pass did not set (None: every persisted key), conditions updated in place."""
     conditions: list[Condition] = list(previous.get("conditions") or [])
     for verdict in verdicts:
         conditions = set_condition(conditions, verdict, now, generation)
     order = {c.READY: 0, c.PROGRESSING: 1, c.DEGRADED: 2, c.USAGE_HEALTHY: 3}
     conditions.sort(key=lambda cond: order.get(cond["type"], 9))
-    status: dict[str, Any] = {k: v for k, v in previous.items() if k in ("usage", "budgets")}
+    status: dict[str, Any] = {k: v for k, v in previous.items() if keep is None or k in keep}
     status.update(fields)
     status["observedGeneration"] = generation
     status["conditions"] = conditions
@@ -133,10 +134,3 @@ def without_times(status: Mapping[str, Any]) -> dict[str, Any]:
     out["conditions"] = [{k: v for k, v in cond.items() if k != "lastTransitionTime"}
                          for cond in status.get("conditions") or []]
     return out
-
-
-def is_ready(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True"
-                for cond in status.get("conditions") or [])
-    return bool(ready and status.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"))

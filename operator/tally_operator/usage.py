@@ -34,11 +34,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tally_operator.pods import is_started, is_terminal
 from tally_operator.samples import MAX_COUNT, MAX_TENANTS_PER_POD, TENANT_FIELDS, Counters, PodSample, stream_mode
-from tally_operator.status import is_ready
 from tally_runtime.contract import OTHER_TENANT
 
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 MAX_LEDGER_TENANTS = 1000  # named tenants per service in the ledger; later ones are booked to `other`
 Tenants = Mapping[str, Counters]
 
@@ -174,10 +173,6 @@ def check_sums(ledger: Ledger) -> None:
     assert summed.tenant_part() == ledger.totals.tenant_part(), (summed, ledger.totals)
 
 
-def is_terminal(pod: Mapping[str, Any]) -> bool:
-    return (pod.get("status") or {}).get("phase") in TERMINAL_PHASES
-
-
 def owned_pods(pods: Iterable[Mapping[str, Any]], replica_sets: Iterable[Mapping[str, Any]],
                deployment: Mapping[str, Any] | None, owner_uid: str) -> list[Mapping[str, Any]]:
     """The pods this CompletionService owns: controlled by a ReplicaSet that its own Deployment controls.
@@ -203,15 +198,16 @@ def counted_uids(pods: Iterable[Mapping[str, Any]]) -> frozenset[str]:
 
 
 def scrape_targets(pods: Iterable[Mapping[str, Any]], readings: Mapping[str, Reading], port: int) -> dict[str, str]:
-    """Pod uid -> metrics URL: every ready pod, every terminating one (its final counters), and every pod
-    already counted even while it is unready (it keeps serving what it had accepted); never a terminal pod."""
+    """Pod uid -> metrics URL: every started pod (ready, or waiting for its first lease to be), every
+    terminating one (its final counters), and every pod already counted even while it is unready (it keeps
+    serving what it had accepted); never a terminal pod."""
     targets = {}
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         ip, uid = status.get("podIP"), meta.get("uid")
         if not ip or not uid or is_terminal(pod):
             continue
-        if is_ready(pod) or meta.get("deletionTimestamp") or uid in readings:
+        if is_started(pod) or meta.get("deletionTimestamp") or uid in readings:
             targets[str(uid)] = pod_url(str(ip), port, "/metrics")
     return targets
 
@@ -277,7 +273,8 @@ def ledger_status(ledger: Ledger) -> dict[str, object]:
              **({"tenants": _pod_tenants_status(r.tenants)} if r.tenants is not None else {})}
             for uid, r in sorted(ledger.readings.items())]
     return {**_counters_status(ledger.totals), "podsUnaccounted": ledger.unaccounted, "sequence": ledger.sequence,
-            "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods}
+            "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods,
+            **({} if ledger.complete else {"complete": False})}
 
 
 def round_status(round_: Round, scraped_at: str) -> dict[str, object]:
@@ -307,5 +304,6 @@ def ledger_from_status(usage: Mapping[str, object]) -> Ledger:
     return Ledger(readings=readings, totals=totals,
                   unaccounted=unaccounted if isinstance(unaccounted, int) else 0,
                   sequence=sequence if isinstance(sequence, int) else 0,
-                  complete=not usage or isinstance(raw_pods, list), tenants=tenants,
+                  complete=(not usage or isinstance(raw_pods, list)) and usage.get("complete") is not False,
+                  tenants=tenants,
                   tenants_folded=folded if isinstance(folded, int) else 0)

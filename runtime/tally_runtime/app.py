@@ -36,15 +36,16 @@ from tally_runtime.respond import error_response
 from tally_runtime.routes import chat, completions, health, metrics, models
 from tally_runtime.serving import Server
 from tally_runtime.settings import Settings
+from tally_runtime.units import COUNTS
 
 log = logging.getLogger("tally_runtime")
 
 
 def counted(totals: Totals, tenant: str, server: Server) -> float:
     """The tenant's counter on this pod as its budget counts it (what the operator books from /metrics)."""
-    _, prompt, completion, _ = totals.tenants.get(tenant, (0.0, 0.0, 0.0, 0.0))
-    count = server.budgets.count if server.budgets is not None else "total"
-    return {"total": prompt + completion, "prompt": prompt, "completion": completion}[count]
+    _, prompt, completion, cached = totals.tenants.get(tenant, (0.0, 0.0, 0.0, 0.0))
+    weights = server.budgets.weights if server.budgets is not None else COUNTS["total"]
+    return weights.of(prompt, cached, completion)
 
 
 def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] | None = None,
@@ -180,7 +181,10 @@ def _no_exit() -> None:
     log.warning("Drained, but this app was given no way to stop its server")
 
 
-METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH})
+METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH, contract.BUDGET_ASKS_PATH})
+
+
+BOTH_PORTS = frozenset({"/health", contract.READY_PATH})
 
 
 class OnlyItsPort:
@@ -204,7 +208,7 @@ class OnlyItsPort:
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
-            if path != "/health" and (path in METRICS_PATHS) != on_metrics_port:
+            if path not in BOTH_PORTS and (path in METRICS_PATHS) != on_metrics_port:
                 await error_response(ApiError(404, f"Not found: {path}"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

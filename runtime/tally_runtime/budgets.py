@@ -11,13 +11,17 @@ ends, its reservation is settled: the counter has grown by what the engine bille
 than was reserved), and the reservation is returned. So a pod never spends past its lease, and the
 operator keeps the leases of all pods within the tenant's budget.
 
-Before the operator's first lease message a pod serves nobody (429, Retry-After: 1). A tenant the message
-does not list is unlimited when the service has no default budget, else it has no allowance yet. A request
-that does not fit its tenant's allowance here is refused: with `insufficient_quota` when it does not fit in
-what the tenant has left of its budget anywhere (`unspent` in the message, less what this pod spent and
-reserved since), otherwise with `rate_limit_exceeded` and Retry-After: 1, and the tenant is asked for:
-`tally_budget_wanted_tokens{tenant}` on /metrics, which the operator reads with the counters and answers
-with more allowance in its next round, if the budget has it.
+A tenant the message does not list is unlimited when the service has no default budget, else it has no
+allowance yet. A request that does not fit in what its tenant has left of its budget anywhere (`unspent` in
+the message, less what this pod spent and reserved since) is refused at once with `insufficient_quota` (and
+`x-should-retry: false`: the OpenAI SDKs would retry a 429 otherwise, for nothing). One that does fit but not
+in the allowance here waits (`acquire`), as a request waits for a generation slot, while the pod asks for more:
+the tenants' waiting demand is on /metrics (`tally_budget_wanted_tokens{tenant}`) and on a long-poll the
+operator keeps open (`GET /internal/budgets/asks`), which answers the moment a request starts waiting, so the
+operator grants (or reclaims from idle pods and then grants) between its rounds. The waiters are served in
+arrival order as lease messages come; only a request still waiting when its time is up gets
+`rate_limit_exceeded` with Retry-After. Before the first lease message nothing is served (a pod is not Ready
+until then), and a request that arrives meanwhile waits for it likewise.
 
 Lease messages are numbered (`seq`); a pod applies only a number above the last it applied, so a late
 message never undoes a newer one. An allowance may go down (the operator takes back what an idle pod
@@ -30,7 +34,9 @@ The state lives on the event loop only.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -38,11 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally_runtime.protocol import ApiError
+from tally_runtime.units import COUNTS, Weights, weights_of
 
 WINDOW_SECONDS = 60.0
 MAX_WANTED = 1000  # tenants asked for at once (the operator reads at most this many per pod)
 WANTED_SECONDS = 300.0  # an ask not answered in this long is dropped (the tenant asks again when refused)
-COUNTS = ("total", "completion", "prompt")
 QUOTA_CODE = "insufficient_quota"
 RATE_CODE = "rate_limit_exceeded"
 
@@ -51,12 +57,21 @@ class StaleLease(ValueError):
     """A lease message numbered at or below the last one applied."""
 
 
+class NeedsAllowance(Exception):
+    """The request fits what its tenant has left, but not the allowance here (yet): it may wait for more."""
+
+    def __init__(self, limit: float, remaining: float) -> None:
+        super().__init__("more allowance is needed here")
+        self.limit, self.remaining = limit, remaining
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     allowance: float | None = None  # counter value the tenant may spend up to (None: no budget)
     tokens_per_minute: float | None = None  # this pod's share of the rate (None: no rate limit)
     unspent: float | None = None  # what the tenant had left of its budget when the message was made
     counter_at: float = 0.0  # the tenant's counter here when the message was applied
+    untracked: str = ""  # why the operator cannot keep this tenant's books (its ledger is full): refused, never free
 
 
 @dataclass(slots=True)
@@ -73,7 +88,7 @@ class Budgets:
     """The pod's leases and reservations. `counter(tenant)` is the tenant's counted tokens so far."""
 
     counter: Callable[[str], float]
-    count: str = "total"
+    weights: Weights = COUNTS["total"]  # the budget's unit: what the counter counts (the lease message says)
     epoch: float = 0.0
     leases: dict[str, Lease] = field(default_factory=dict)
     starter: Lease = field(default_factory=Lease)  # for tenants the lease message does not list
@@ -84,32 +99,91 @@ class Budgets:
     window: dict[str, collections.deque[Reservation]] = field(default_factory=dict)
     period_end: float = 0.0  # unix seconds: when a spent budget is renewed (x-ratelimit-reset-tokens)
     on_refused: Callable[[str, str], None] = lambda tenant, code: None
+    waiting: dict[str, float] = field(default_factory=dict)  # tenant -> tokens its waiting requests need
+    closed: bool = False  # draining: a waiting request is refused (503), and no new one waits
+    _applied: asyncio.Future[None] | None = None  # resolved by the next lease message (waiters then try again)
+    _asked: asyncio.Event = field(default_factory=asyncio.Event)  # set when demand changes (the long-poll)
 
     def lease(self, tenant: str) -> Lease:
         return self.leases.get(tenant, self.starter)
 
+    async def acquire(self, tenant: str, tokens: float, wait_seconds: float) -> Reservation:
+        """Reserve `tokens` for `tenant`, waiting up to `wait_seconds` (in arrival order with the tenant's other
+        waiters) while the pod asks for allowance the tenant's budget has; the OpenAI 429 otherwise."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                return self.reserve(tenant, tokens)
+            except NeedsAllowance as need:
+                if self.closed:
+                    raise ApiError(503, "The server is shutting down; retry on another replica",
+                                   code="shutting_down", headers={"Retry-After": "1"}) from None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._refuse(tenant, RATE_CODE, "Not enough token allowance for this tenant on this replica, "
+                                 "and none came in time: retry shortly", limit=need.limit, remaining=need.remaining,
+                                 reset=1.0)
+                await self._wait_for_lease(tenant, tokens, left)
+
+    async def _wait_for_lease(self, tenant: str, tokens: float, seconds: float) -> None:
+        if self._applied is None or self._applied.done():
+            self._applied = asyncio.get_running_loop().create_future()
+        applied = self._applied
+        self.waiting[tenant] = self.waiting.get(tenant, 0.0) + tokens
+        self._changed_demand()
+        try:
+            await asyncio.wait_for(asyncio.shield(applied), seconds)
+        except TimeoutError:
+            pass
+        finally:
+            left = self.waiting.get(tenant, 0.0) - tokens
+            if left > 0:
+                self.waiting[tenant] = left
+            else:
+                self.waiting.pop(tenant, None)
+
+    def close(self) -> None:
+        """The drain began: the waiting requests end (503, retried elsewhere), and none waits from now on."""
+        self.closed = True
+        if self._applied is not None and not self._applied.done():
+            self._applied.set_result(None)
+
+    def _changed_demand(self) -> None:
+        self._asked.set()
+        self._asked = asyncio.Event()
+
+    async def wait_for_asks(self, seconds: float) -> None:
+        """The operator's long-poll: returns as soon as a request waits (or a first lease is wanted), or after
+        `seconds`. An ask whose request gave up does not end it (the next scrape reads that one)."""
+        if self.waiting or not self.leased:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._asked.wait(), seconds)
+
     def reserve(self, tenant: str, tokens: float, now: float | None = None) -> Reservation:
-        """Reserve `tokens` for `tenant` or raise the OpenAI 429 (nothing reserved then)."""
+        """Reserve `tokens` for `tenant`; the OpenAI 429 when the tenant's budget does not cover it (or its rate
+        is reached), NeedsAllowance when it does but this pod's allowance does not (nothing reserved then)."""
         now = time.monotonic() if now is None else now
         if not self.leased:
-            self._refuse(tenant, RATE_CODE, "No token allowance has been granted to this replica yet; retry "
-                                            "shortly", limit=0, remaining=0, reset=1.0)
+            self._ask(tenant, tokens, now)
+            raise NeedsAllowance(0, 0)
         lease = self.lease(tenant)
+        if lease.untracked:
+            self.refuse_untracked(tenant, lease.untracked)
         reserved = self.reserved.get(tenant, 0.0)
         if lease.allowance is not None:
             counter = self.counter(tenant)
             remaining = lease.allowance - counter - reserved
-            anywhere = math.inf if lease.unspent is None else lease.unspent - (counter - lease.counter_at) - reserved
+            anywhere = math.inf if lease.unspent is None or self.month_over() else \
+                lease.unspent - (counter - lease.counter_at) - reserved
             if tokens > remaining and tokens > anywhere:
                 self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
                              f"tokens reserved for it, {max(0.0, anywhere):.0f} left)",
                              limit=lease.allowance, remaining=remaining,
                              reset=max(1.0, self.period_end - time.time()) if self.period_end else 60.0)
-            if tokens > remaining:  # asked for: the next round may lease more here
-                if len(self.wanted) < MAX_WANTED or tenant in self.wanted:
-                    self.wanted[tenant] = (max(self.wanted.get(tenant, (0.0, 0.0))[0], tokens), now)
-                self._refuse(tenant, RATE_CODE, "Not enough token allowance for this tenant on this replica; more is "
-                             "asked for: retry shortly", limit=lease.allowance, remaining=remaining, reset=1.0)
+            if tokens > remaining:  # asked for: the operator leases more here (or says there is none)
+                self._ask(tenant, tokens, now)
+                raise NeedsAllowance(lease.allowance, remaining)
         reservation = Reservation(tenant, tokens, now, tokens)
         if lease.tokens_per_minute is not None:
             recent = self._recent(tenant, now)
@@ -123,6 +197,20 @@ class Budgets:
             recent.append(reservation)
         self.reserved[tenant] = reserved + tokens
         return reservation
+
+    def month_over(self) -> bool:
+        """The period the last message counted has ended: what it said is left is of the month before (the
+        budget is renewed), so nothing is refused for it until the next message; requests ask instead."""
+        return bool(self.period_end) and time.time() >= self.period_end
+
+    def _ask(self, tenant: str, tokens: float, now: float) -> None:
+        if len(self.wanted) < MAX_WANTED or tenant in self.wanted:
+            self.wanted[tenant] = (max(self.wanted.get(tenant, (0.0, 0.0))[0], tokens), now)
+
+    def refuse_untracked(self, tenant: str, why: str) -> None:
+        """A tenant whose spend cannot be booked is refused (a budget that cannot count fails closed)."""
+        self._refuse(tenant, QUOTA_CODE, f"This tenant's usage cannot be tracked ({why}), so no budget can cover it",
+                     limit=0, remaining=0, reset=max(1.0, self.period_end - time.time()) if self.period_end else 60.0)
 
     def settle(self, reservation: Reservation, billed: float) -> None:
         """The request ended (its usage already counted): return its reservation, and in the rate window
@@ -152,10 +240,14 @@ class Budgets:
         return max(allowance, self.counter(tenant) + self.reserved.get(tenant, 0.0))
 
     def asking(self, now: float | None = None) -> dict[str, float]:
-        """Tenants refused here for want of allowance, and the most each asked for (recent asks only)."""
+        """Tenants that want more allowance here, and how much: what their waiting requests need together, or
+        for a recent ask not waiting any more (its request gave up), the most it asked for."""
         now = time.monotonic() if now is None else now
         self.wanted = {t: ask for t, ask in self.wanted.items() if ask[1] > now - WANTED_SECONDS}
-        return {t: tokens for t, (tokens, _) in self.wanted.items()}
+        asks = {t: tokens for t, (tokens, _) in self.wanted.items()}
+        for tenant, tokens in self.waiting.items():
+            asks[tenant] = max(asks.get(tenant, 0.0), tokens)
+        return asks
 
     def apply(self, message: Mapping[str, Any], epoch: float) -> None:
         """A lease message from the operator (signature checked by the route): for this process's epoch
@@ -167,21 +259,21 @@ class Budgets:
             raise ValueError("seq must be a positive integer")
         if seq <= self.seq:
             raise StaleLease(f"lease message {seq} is not newer than {self.seq}, the last applied")
-        count = message.get("count", "total")
-        if count not in COUNTS:
-            raise ValueError(f"count must be one of {COUNTS}")
+        weights = weights_of(message.get("count", "total"), message.get("weights"))
         tenants = message.get("tenants") or {}
         if not isinstance(tenants, Mapping):
             raise ValueError("tenants must be an object")
         leases = {str(name): _lease(raw, self.counter(str(name))) for name, raw in tenants.items()}
         starter = _lease(message.get("starter") or {}, 0.0)
-        self.count, self.leases, self.starter, self.seq = str(count), leases, starter, seq
+        self.weights, self.leases, self.starter, self.seq = weights, leases, starter, seq
         # Answered: a tenant now leased something to spend here, or with nothing left anywhere, asks no more
         self.wanted = {t: ask for t, ask in self.wanted.items()
                        if not ((t in leases and (self.remaining(t) or 0.0) > 0) or leases.get(t, starter).unspent == 0)}
         period_end = message.get("periodEnd")
         self.period_end = float(period_end) if isinstance(period_end, int | float) else 0.0
         self.leased = True
+        if self._applied is not None and not self._applied.done():  # the waiters try again, in arrival order
+            self._applied.set_result(None)
 
     def _recent(self, tenant: str, now: float) -> collections.deque[Reservation]:
         recent = self.window.setdefault(tenant, collections.deque())
@@ -194,6 +286,8 @@ class Budgets:
         headers = {"x-ratelimit-limit-tokens": str(int(limit)),
                    "x-ratelimit-remaining-tokens": str(max(0, int(remaining))),
                    "x-ratelimit-reset-tokens": duration(reset), "Retry-After": str(max(1, math.ceil(reset)))}
+        if code == QUOTA_CODE:  # retrying cannot help before the period ends: the OpenAI SDKs honour this header
+            headers["x-should-retry"] = "false"
         error = ApiError(429, message, code=code, headers=headers)
         error.error_type = "insufficient_quota" if code == QUOTA_CODE else "requests"
         raise error
@@ -217,12 +311,16 @@ def _lease(raw: object, counter: float) -> Lease:
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0
                                   or not math.isfinite(value)):
             raise ValueError("allowance, tokensPerMinute and unspent must be non-negative numbers")
+    untracked = raw.get("untracked") or ""
+    if not isinstance(untracked, str):
+        raise ValueError("untracked must be a string")
     return Lease(None if allowance is None else float(allowance), None if rate is None else float(rate),
-                 None if unspent is None else float(unspent), counter)
+                 None if unspent is None else float(unspent), counter, untracked[:200])
 
 
-def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, count: str) -> float:
-    """A request's worst case in counted tokens: each prompt once per choice, `max_tokens` per choice."""
+def reservation_tokens(prompt_lengths: list[int], n: int, max_tokens: int, weights: Weights) -> float:
+    """A request's worst case in the budget's unit: each prompt once per choice (at the dearer of its cached and
+    uncached weight: what will be cached is not known yet), `max_tokens` per choice."""
     prompt = sum(prompt_lengths) * n
     completion = len(prompt_lengths) * n * max_tokens
-    return float({"total": prompt + completion, "completion": completion, "prompt": prompt}[count])
+    return float(prompt * max(weights.prompt, weights.cached) + completion * weights.completion)

@@ -43,6 +43,9 @@ CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its
 # outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
 FINAL_READ_PATH = "/internal/final-read"
 BUDGETS_PATH = "/internal/budgets"  # the operator's signed leases per tenant (budgets.py)
+# GET ?wait=N: the operator's long-poll of the tenants whose requests wait for allowance
+BUDGET_ASKS_PATH = "/internal/budgets/asks"
+READY_PATH = "/ready"  # the readiness probe: healthy, and with budgets holding its first lease
 FINAL_READ_SIGNATURE_HEADER = "X-Tally-Signature"  # the operator's Ed25519 signature of the body (handoff.py)
 # gauge{kind}: our totals minus SGLang's own counters, taken when no request was in flight (settled)
 ENGINE_USAGE_DRIFT = f"{PREFIX}_engine_usage_drift_tokens"

@@ -91,6 +91,8 @@ class Drain:
         self.nonce = secrets.token_hex(16)
         self.server.draining = True
         self.server.metrics.draining.set(1)
+        if self.server.budgets is not None:  # requests waiting for allowance go elsewhere (503, retried)
+            self.server.budgets.close()
         if self.connections is not None:
             self.connections.close_after_responses()
         log.info("SIGTERM: draining (%d generation(s) running, %d queued, deadline %.0fs)",

@@ -81,13 +81,21 @@ class Server:
         self.budgets: Budgets | None = None  # per-tenant leases, when the operator manages budgets
         self.service = ("", "")  # (namespace, name) of the CompletionService, for the usage records
 
-    def reserve(self, job: Job, tenant: Tenant) -> Reservation | None:
-        """The request's worst case, reserved from its tenant's lease (429 when it does not fit)."""
+    async def reserve(self, job: Job, tenant: Tenant) -> Reservation | None:
+        """The request's worst case, reserved from its tenant's lease: waiting, as for a generation slot and as
+        long, while the pod asks for allowance the tenant's budget has (429 when it has none, or none came)."""
         if self.budgets is None:
             return None
         tokens = reservation_tokens([len(p) for p in job.prompts], job.n, job.sampling.max_tokens,
-                                    self.budgets.count)
-        return self.budgets.reserve(self.metrics.tenant_label(tenant.name), tokens)
+                                    self.budgets.weights)
+        if self.metrics.tenant_label(tenant.name) != tenant.name:  # it would be counted under `other`: untracked
+            self.budgets.refuse_untracked(tenant.name, f"this replica counts at most {self.metrics.max_tenants} "
+                                                       "tenants")
+        self.metrics.queued.inc()
+        try:
+            return await self.budgets.acquire(tenant.name, tokens, self.admission.max_wait)
+        finally:
+            self.metrics.queued.dec()
 
     def return_reservation(self, reservation: Reservation | None, usage: RequestUsage | None) -> None:
         """After the request's usage was counted: its reservation returned, what it spent is in the counter."""
@@ -95,8 +103,7 @@ class Server:
             return
         billed = 0.0
         if usage is not None:
-            billed = {"total": usage.prompt_tokens + usage.completion_tokens, "prompt": usage.prompt_tokens,
-                      "completion": usage.completion_tokens}[self.budgets.count]
+            billed = self.budgets.weights.of(usage.prompt_tokens, usage.cached_tokens or 0, usage.completion_tokens)
         self.budgets.settle(reservation, billed)
 
     def reject(self, endpoint: str, error: ApiError, tenant: Tenant, job: Job | None = None) -> None:
@@ -145,7 +152,7 @@ class Server:
         An `ApiError` (refused: not admitted, or the engine refused it before its first token) is left to
         the caller to record; a client that leaves while queued is recorded here, one that leaves in
         prefill by its run."""
-        reservation = self.reserve(job, tenant)
+        reservation = await self.reserve(job, tenant)
         try:
             await self._admit(job)
         except asyncio.CancelledError:

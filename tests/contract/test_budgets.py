@@ -200,3 +200,20 @@ def test_a_lowered_allowance_keeps_what_was_admitted_and_a_late_message_changes_
                 == billed
         assert until(settled, 30), "the pod's reach did not come down to its counter once the stream ended"
         assert billed <= reach
+
+
+def test_a_tenant_this_replica_cannot_count_apart_is_refused_never_billed_to_other(tmp_path: Path) -> None:
+    """Past `--max-tenants` a tenant was counted under `other`, which no lease message lists: a listed tenant with
+    a 60-token budget was served 136. With budgets, a tenant this replica cannot count apart is refused now
+    (insufficient_quota, saying why), whatever its lease says; the tenants it counts are served as before."""
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--max-tenants", "2") as (_, url), httpx.Client(base_url=url, timeout=60) as http:
+        assert post_leases(http, operator, {name: {"allowance": 100_000} for name in ("a", "b", "late")},
+                           starter={"allowance": None}).status_code == 200
+        assert call(url, "a", PROMPT).status_code == 200 and call(url, "b", PROMPT).status_code == 200
+        refused = call(url, "late", PROMPT)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+        assert "cannot be tracked" in refused.json()["error"]["message"]
+        unlisted = call(url, "someone-else", PROMPT)  # no budget of its own (starter: none), still uncountable
+        assert unlisted.status_code == 429 and unlisted.json()["error"]["code"] == "insufficient_quota"

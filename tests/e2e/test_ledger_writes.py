@@ -21,9 +21,11 @@ from kube_harness import ROOT, Kubectl, eventually
 from operator_harness import NAMESPACE, RELEASE
 
 from tally_operator.bookkeeping import Observed
+from tally_operator.books import Observe, commit
+from tally_operator.context import Context, Scraped, ServiceMemory
 from tally_operator.kube import Kube
 from tally_operator.metrics import OperatorMetrics
-from tally_operator.reconcile import Context, Observe, Scraped, ServiceMemory, commit, reconcile
+from tally_operator.reconcile import reconcile
 from tally_operator.samples import Counters, PodSample
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
@@ -203,3 +205,160 @@ def test_a_status_pass_on_a_new_generation_applies_it_before_claiming_it(writers
     assert args[args.index("--context-length") + 1] == "1024"
     assert kube.json("get", "completionservice", "books")["status"]["observedGeneration"] == body["metadata"][
         "generation"] == 2
+
+
+def test_a_status_key_a_pass_does_not_write_is_gone_once_its_feature_is(writers: str, kube: Kubectl) -> None:
+    """The status is written whole: a JSON merge patch kept every key it did not name, so the status of a
+    feature switched off stayed (and was rewritten every pass), a map's names were never dropped (status.budgets
+    grew with every tenant ever asked for, until etcd refused every write and the ledger stopped) and `{}`
+    deleted nothing. Read back through the real API server."""
+    body = create(kube)
+    operator, pod = Operator(writers), Pod()
+    pod.serve(5)
+
+    def observing_with(fields: dict[str, Any], keep: frozenset[str] | None) -> Observe:
+        async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+            round_ = Round({pod.uid: pod.sample()}, present=frozenset([pod.uid]))
+            return Observed(1, [], fields, round_, keep=keep), Scraped(round_, {}, {})
+        return observe
+
+    asyncio.run(operator.pass_on(body, observing_with(
+        {"autoscaling": {"desiredReplicas": 3}, "routing": {"inferencePool": "books"}}, frozenset({"usage"}))))
+    written = kube.json("get", "completionservice", "books")["status"]
+    assert written["autoscaling"] == {"desiredReplicas": 3} and written["routing"]["inferencePool"] == "books"
+    # a pass that keeps autoscaling's status but no longer routes: routing goes, autoscaling and the ledger stay
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
+                                 observing_with({}, frozenset({"usage", "autoscaling"}))))
+    written = kube.json("get", "completionservice", "books")["status"]
+    assert "routing" not in written and written["autoscaling"] == {"desiredReplicas": 3}
+    assert written["usage"]["completionTokens"] == 5
+    # a pass on an invalid spec cannot tell which features are on: it keeps every key
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing_with({}, None)))
+    assert kube.json("get", "completionservice", "books")["status"]["autoscaling"] == {"desiredReplicas": 3}
+
+
+def test_a_ledger_still_taking_its_baseline_says_so_after_its_write(writers: str, kube: Kubectl) -> None:
+    """After an upgrade from a status without per-pod readings the ledger is a baseline until every counted pod
+    has one: that `complete: false` must survive the write (it was read back as complete, and a pod read first
+    afterwards was booked whole, counted twice)."""
+    create(kube)
+    kube("patch", "completionservice", "books", "--subresource=status", "--type=merge", "-p",
+         '{"status": {"usage": {"requests": 9, "completionTokens": 90}}}')
+    operator, read, unread = Operator(writers), Pod(), Pod()
+    read.serve(100)
+    unread.serve(40)
+
+    async def one_read_one_failed(_: Any) -> tuple[Observed, Scraped | None]:
+        round_ = Round({read.uid: read.sample()}, failed=frozenset([unread.uid]),
+                       present=frozenset([read.uid, unread.uid]))
+        return Observed(1, [], {}, round_, keep=frozenset({"usage"})), Scraped(round_, {}, {})
+
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), one_read_one_failed))
+    assert usage(kube)["complete"] is False and usage(kube)["completionTokens"] == 90  # a baseline, nothing new
+    unread.serve(2)
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
+                                 observing([read, unread])))
+    assert usage(kube)["completionTokens"] == 90 and "complete" not in usage(kube)  # both baselines now: complete
+    read.serve(3)
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing([read, unread])))
+    assert usage(kube)["completionTokens"] == 93
+
+
+@pytest.fixture
+def simulated_pods(monkeypatch: pytest.MonkeyPatch) -> list[Pod]:
+    """Pods the passes find among the service's children and scrape, with counters the test moves (the real
+    Deployment stays at no pod): reconcile's own flow, books written through the real API server."""
+    from tally_operator import reconcile as reconcile_module
+
+    pods: list[Pod] = []
+    real_read = reconcile_module.read_children
+
+    def read_children(ctx: Any, meta: Any) -> tuple[Any, list[dict[str, Any]]]:
+        deployment, found = real_read(ctx, meta)
+        return deployment, [*found, *({"metadata": {"uid": p.uid, "name": p.uid, "labels": {}},
+                                       "status": {"phase": "Running", "podIP": "198.18.9.9", "conditions": [
+                                           {"type": "Ready", "status": "True"}]}} for p in pods)]
+
+    async def scrape_round(_ctx: Any, _meta: Any, _pods: Any, _obj: Any) -> Scraped:
+        round_ = Round({p.uid: p.sample() for p in pods}, present=frozenset(p.uid for p in pods))
+        return Scraped(round_, {}, {})
+
+    monkeypatch.setattr(reconcile_module, "read_children", read_children)
+    monkeypatch.setattr(reconcile_module, "scrape_round", scrape_round)
+    return pods
+
+
+def ready_reason(kube: Kubectl) -> str:
+    status = kube.json("get", "completionservice", "books").get("status") or {}
+    return str(next((c["reason"] for c in status.get("conditions") or [] if c["type"] == "Ready"), ""))
+
+
+def test_a_child_someone_else_owns_stops_the_children_but_never_the_books(
+        writers: str, kube: Kubectl, simulated_pods: list[Pod]) -> None:
+    """A foreign Service named `<name>-pods` (or a 403 on a child) made every pass return before scraping: pods
+    kept serving and nothing was booked. Now the conflict is the Ready condition and the books go on."""
+    kube.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "books-pods"},
+                "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}})
+    kube.apply({"apiVersion": "serving.tally.dev/v1alpha1", "kind": "CompletionService", "metadata": {"name": "books"},
+                "spec": {"model": {"name": "m"}, "engine": {"kind": "cpu"},
+                         "autoscaling": {"minReplicas": 0, "maxReplicas": 1}}})
+    operator, pod = Operator(writers), Pod()
+    simulated_pods.append(pod)
+    pod.serve(30)
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    assert ready_reason(kube) == "NameConflict"
+    assert usage(kube)["completionTokens"] == 30
+    pod.serve(12)
+    operator.memory.scraped_at = -1e9  # the next round is due
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    assert usage(kube)["completionTokens"] == 42 and ready_reason(kube) == "NameConflict"
+
+
+def test_a_spec_the_operator_refuses_still_has_its_pods_booked(writers: str, kube: Kubectl,
+                                                               simulated_pods: list[Pod]) -> None:
+    """A spec refused after its pods were made (a policy tightened, an image no longer allowed) left the pods
+    serving unbooked. Now they are booked while Ready says why the spec is refused."""
+    create(kube)
+    operator, pod = Operator(writers), Pod()
+    simulated_pods.append(pod)
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    kube("patch", "completionservice", "books", "--type=merge", "-p", '{"spec":{"engine":{"image":"evil/runtime:1"}}}')
+    pod.serve(25)
+    operator.memory.scraped_at = -1e9
+    asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
+                          apply_children=True))
+    assert ready_reason(kube) == "ForbiddenImage" and usage(kube)["completionTokens"] == 25
+
+
+def test_the_budgets_status_round_trip_defers_a_count_changed_mid_month(writers: str, kube: Kubectl) -> None:
+    """Budgets planned and written through the real API server: the names in the status are this round's (a merge
+    patch kept every one ever asked for); a count changed mid-month waits for the next month."""
+    import dataclasses
+
+    from tally_operator.budget import BudgetConfig, TenantBudget
+
+    body = create(kube)
+    operator, pod = Operator(writers), Pod(("acme",))
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=50), {"acme": TenantBudget(monthly_tokens=1000)})
+
+    def asking(names: frozenset[str], budgets: BudgetConfig = config) -> Observe:  # each asks for 10 tokens
+        async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+            sample = dataclasses.replace(pod.sample(), wanted=dict.fromkeys(sorted(names), 10))
+            round_ = Round({pod.uid: sample}, present=frozenset([pod.uid]))
+            return (Observed(1, [], {}, round_, budgets=budgets, serving=frozenset([pod.uid]),
+                             keep=frozenset({"usage", "budgets"})), Scraped(round_, {pod.uid: "http://pod"}, {}))
+        return observe
+
+    pod.serve(100, "acme")
+    asyncio.run(operator.pass_on(body, asking(frozenset(f"made-up-{i}" for i in range(300)))))
+    first = kube.json("get", "completionservice", "books")["status"]["budgets"]
+    assert len(first["tenants"]) == 301  # acme and the 300 asked for (a default covers them)
+    completion = dataclasses.replace(config, count="completion")
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
+                                 asking(frozenset(), completion)))
+    third = kube.json("get", "completionservice", "books")["status"]["budgets"]
+    assert (third["count"], third["pendingCount"]) == ("total", "completion")
+    assert third["tenants"]["acme"]["spent"] == 100

@@ -46,6 +46,27 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
+def test_with_an_existing_signing_key_the_chart_renders_the_same_every_time(kubectl: Kubectl) -> None:
+    """GitOps tools render with `helm template`, where `lookup` finds nothing: the chart made a new signing key
+    on every sync, restarting the operator and rolling every runtime pod. With signingKey.existingSecret it renders
+    no key and the same bytes each time, mounting the Secret the platform keeps."""
+    def render(*values: str) -> str:
+        return subprocess.run(["helm", "template", "t", str(CHART), *values], check=True, env=kubectl.env,
+                              capture_output=True, text=True).stdout
+
+    given = ("--set", "signingKey.existingSecret=platform-signing", "--set", "signingKey.key=ed25519.pem")
+    first, second = render(*given), render(*given)
+    assert first == second
+    objects = [o for o in yaml.safe_load_all(first) if o]
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]
+    assert "checksum/signing-key" not in pod["metadata"].get("annotations", {})
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "signing-key")
+    assert volume["secret"]["secretName"] == "platform-signing"
+    assert volume["secret"]["items"] == [{"key": "ed25519.pem", "path": "key.pem"}]
+    assert render() != render()  # without it a key is made each time (helm install keeps the first: lookup)
+
+
 def test_the_operators_metrics_are_open_to_the_monitoring_namespace_only(kubectl: Kubectl) -> None:
     """Its /metrics names every namespace's tenants and usage: the chart's policy admits the monitoring
     namespace to that port and nobody when none is named; the liveness port stays open for the kubelet."""

@@ -110,6 +110,11 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
 {{- end }}
 {{- end -}}
 
+{{/* The signing key's Secret. */}}
+{{- define "tally-operator.signingSecret" -}}
+{{- .Values.signingKey.existingSecret | default (printf "%s-signing" (include "tally-operator.fullname" .)) -}}
+{{- end -}}
+
 {{/* The signing key: the one the release's Secret holds, or a new one (the first install, or helm template). */}}
 {{- define "tally-operator.signingKey" -}}
 {{- $secret := lookup "v1" "Secret" .Release.Namespace (printf "%s-signing" (include "tally-operator.fullname" .)) -}}

@@ -4,6 +4,8 @@ the operator (handoff.py) when the runtime was given its key."""
 
 from __future__ import annotations
 
+import math
+
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -76,6 +78,31 @@ async def final_read_challenge(request: Request) -> Response:
     server: Server = request.app.state.server
     return json_response({"podUid": server.metrics.pod_uid, "epoch": server.metrics.totals.epoch,
                           "nonce": drain.nonce})
+
+
+MAX_ASK_WAIT_SECONDS = 30.0
+
+
+@router.get(contract.BUDGET_ASKS_PATH)
+async def budget_asks(request: Request) -> Response:
+    """The operator's long-poll: answers as soon as a request waits for allowance here (or the first lease is
+    still to come), else after `wait` seconds (at most 30): what each tenant's waiting requests need
+    (`waiting`), and what the next round should lease (`asks`: those, and recent asks whose requests gave up)."""
+    server: Server = request.app.state.server
+    if server.budgets is None:
+        return error_response(ApiError(404, "Budgets are not enabled on this runtime (--budgets)", code="not_found"))
+    try:
+        wait = min(max(float(request.query_params.get("wait", "0")), 0.0), MAX_ASK_WAIT_SECONDS)
+    except ValueError:
+        wait = 0.0
+    if wait != wait:  # NaN
+        wait = 0.0
+    await server.budgets.wait_for_asks(wait)
+    budgets = server.budgets
+    return json_response({"podUid": server.metrics.pod_uid, "epoch": server.metrics.totals.epoch,
+                          "seq": budgets.seq, "leased": budgets.leased,
+                          "waiting": {t: math.ceil(v) for t, v in sorted(budgets.waiting.items())},
+                          "asks": {t: math.ceil(v) for t, v in sorted(budgets.asking().items())}})
 
 
 @router.post(contract.BUDGETS_PATH)

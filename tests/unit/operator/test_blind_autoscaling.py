@@ -1,4 +1,4 @@
-"""Autoscaling rounds as the operator runs them (`reconcile.autoscale`): pods that stop answering /metrics
+"""Autoscaling rounds as the operator runs them (`scaling.autoscale`): pods that stop answering /metrics
 are not idle pods, a peer that resumes continues from the Deployment, and the memory a pass keeps."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
-from tally_operator import reconcile
+from tally_operator import scaling as scaling_pass
 from tally_operator.autoscale import Autoscaling
-from tally_operator.reconcile import Scaling, Scraped, autoscale
+from tally_operator.context import Scaling, Scraped
 from tally_operator.samples import Counters, PodSample
+from tally_operator.scaling import autoscale
 from tally_operator.usage import Round
 from tally_runtime import contract
 
@@ -30,7 +31,7 @@ def sample(queued: float) -> PodSample:
 def rounds(monkeypatch: pytest.MonkeyPatch, pods: int, answering: int, seconds: int) -> list[int]:
     """Replicas after each 2 s round: every pod queues 4 until second 10, then only `answering` answer."""
     clock = [1000.0]
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: clock[0])
     scaling, current, seen = Scaling(since=clock[0] - 3600), pods, []
     all_pods = [pod(f"p{i}") for i in range(pods)]
     for second in range(0, seconds, 2):
@@ -56,7 +57,7 @@ def test_pods_that_stop_answering_are_not_read_as_idle(monkeypatch: pytest.Monke
 def test_an_unread_pods_memory_is_not_kept_when_it_went_blind_for_a_whole_window(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [5000.0]
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: clock[0])
     from tally_operator.autoscale import Observation
 
     stale = Scaling(since=0.0, history=(Observation(5000.0 - 3600, 0.0),))
@@ -83,7 +84,7 @@ def test_a_peer_that_resumes_continues_from_the_deployment_not_from_its_memory()
     import asyncio
     from types import SimpleNamespace
 
-    from tally_operator.reconcile import decided_replicas
+    from tally_operator.scaling import decided_replicas
 
     meta = {"name": "s", "namespace": "n", "uid": "uid-1"}
     wide = Autoscaling(min_replicas=1, max_replicas=8, metric="queuedRequests", target=4.0)
@@ -101,7 +102,7 @@ def test_a_foreign_namesake_deployment_is_a_conflict_on_every_pass_not_our_readi
     service's own readiness for up to a minute."""
     from types import SimpleNamespace
 
-    from tally_operator.reconcile import read_children
+    from tally_operator.children import read_children
     from tally_operator.spec import SpecError
 
     kube = SimpleNamespace(get=Deployments(3, owner="someone-else").get, list=lambda *_: [], pods=lambda *_: [])

@@ -11,9 +11,13 @@ ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "tally-operator"
 
 
-def test_chart_crd_is_the_canonical_crd() -> None:
-    canonical = ROOT / "crds" / "serving.tally.dev_completionservices.yaml"
-    assert (CHART / "files" / "crds" / canonical.name).read_bytes() == canonical.read_bytes()
+def test_chart_crds_are_the_canonical_crds() -> None:
+    canonical = sorted((ROOT / "crds").glob("serving.tally.dev_*.yaml"))
+    assert [p.name for p in canonical] == ["serving.tally.dev_budgets.yaml",
+                                           "serving.tally.dev_completionservices.yaml"]
+    assert sorted(p.name for p in (CHART / "files" / "crds").glob("*.yaml")) == [p.name for p in canonical]
+    for path in canonical:
+        assert (CHART / "files" / "crds" / path.name).read_bytes() == path.read_bytes()
 
 
 def test_the_readmes_registry_commands_name_the_charts_own_version() -> None:

@@ -1,4 +1,5 @@
-"""The operator depends on the runtime only through `tally_runtime.contract`, never on an engine or a server."""
+"""The operator depends on the runtime only through `tally_runtime.contract` and `tally_runtime.units` (names,
+shapes and a budget's unit, both sides' alike; standard library only), never on an engine or a server."""
 
 from __future__ import annotations
 
@@ -23,13 +24,45 @@ SCRIPT = textwrap.dedent(f"""
     sys.meta_path.insert(0, Blocker())
     import tally_operator.__main__, tally_operator.handlers  # every module of the operator, through its entry
     loaded = sorted(m for m in sys.modules if m.startswith("tally_runtime"))
-    assert loaded == ["tally_runtime", "tally_runtime.contract"], loaded
+    assert loaded == ["tally_runtime", "tally_runtime.contract", "tally_runtime.units"], loaded
     imported = [m for m in {RUNTIME_ONLY!r} if m in sys.modules]
     assert not imported, f"not in the operator's image: {{imported}}"
     print("ok")
 """)
 
 
-def test_the_operator_imports_only_the_contract_of_the_runtime() -> None:
+def test_the_operator_imports_only_the_contract_and_the_units_of_the_runtime() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_operators_modules_import_each_other_one_way_only() -> None:
+    """No import circle (there was one: budget -> usage -> status -> spec -> budget, held apart only by an import
+    under TYPE_CHECKING): each module's imports of the package, typing-only ones included, form no cycle."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[3] / "operator" / "tally_operator"
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        edges = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tally_operator"):
+                target = node.module.removeprefix("tally_operator").lstrip(".")
+                if target:
+                    edges.add(target)
+                else:  # `from tally_operator import constants as c`
+                    edges.update(alias.name for alias in node.names)
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        seen[module] = 1
+        for target in sorted(graph.get(module, ())):
+            assert seen.get(target) != 1, " -> ".join([*path, module, target])
+            if target not in seen:
+                visit(target, [*path, module])
+        seen[module] = 2
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module, [])

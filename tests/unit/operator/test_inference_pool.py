@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from tally_operator import constants as c
+from tally_operator.children import pool_status, route
+from tally_operator.context import Context
 from tally_operator.desired import desired_activator, desired_deployment, desired_service, runtime_args
 from tally_operator.desired_pool import desired_inference_pool, desired_picker, pool_routes_to_activator
-from tally_operator.reconcile import Context, pool_status, route
 from tally_operator.settings import OperatorSettings
 from tally_operator.signing import Signer
 from tally_operator.spec import SpecError, parse_spec

@@ -50,3 +50,18 @@ def test_the_command_prints_a_table_and_json_lines(tmp_path: Path, capsys: pytes
     assert capsys.readouterr().out.splitlines()[1].split() == ["team", "chat", "acme", "3", "30", "40", "0"]
     current.write_text("not json")
     assert main([str(current)]) == 1 and "not JSON" in capsys.readouterr().err
+
+
+def test_a_budgets_listing_shows_each_tenants_month_at_a_glance(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    budget = {"apiVersion": "serving.tally.dev/v1alpha1", "kind": "Budget", "metadata": {"name": "acme-month"},
+              "status": {"period": "2026-12", "tenants": {"acme": {"budget": 2000, "spent": 1900, "held": 60,
+                                                                   "remaining": 40, "unspent": 100}}}}
+    path = tmp_path / "budgets.json"
+    path.write_text(json.dumps(listing(budget)))
+    assert main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["BUDGET", "PERIOD", "TENANT", "LIMIT", "SPENT", "HELD", "REMAINING"]
+    assert lines[1].split() == ["acme-month", "2026-12", "acme", "2000", "1900", "60", "40"]
+    assert main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spent"] == 1900

@@ -139,7 +139,7 @@ def test_budget_refusals_and_tenants_asking_for_a_lease_are_read_per_tenant() ->
             "# TYPE tally_budget_wanted_tokens gauge\n"
             'tally_budget_wanted_tokens{tenant="newbie"} 40\ntally_budget_wanted_tokens{tenant="done"} 0\n')
     sample = parse_sample(text)
-    assert sample.refusals == {"acme": 5} and sample.wanted == {"newbie"}
+    assert sample.refusals == {"acme": 5} and sample.wanted == {"newbie": 40}
     with pytest.raises(MetricsParseError, match="not negative"):
         parse_sample(METRICS + '# TYPE tally_budget_wanted_tokens gauge\ntally_budget_wanted_tokens{tenant="x"} -1\n')
 

@@ -4,14 +4,16 @@ answer read as hostile input."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from tally_operator import constants as c
-from tally_operator import reconcile
+from tally_operator import scaling as scaling_pass
 from tally_operator.activation import Held, parse_held
 from tally_operator.autoscale import Autoscaling, Decision, zero_step
+from tally_operator.context import Scaling, Scraped
 from tally_operator.desired import (
     desired_activator,
     desired_backend_service,
@@ -19,8 +21,8 @@ from tally_operator.desired import (
     desired_service,
     routes_to_activator,
 )
-from tally_operator.reconcile import Scaling, Scraped, autoscale
 from tally_operator.samples import Counters, PodSample
+from tally_operator.scaling import autoscale
 from tally_operator.settings import OperatorSettings
 from tally_operator.spec import parse_spec
 from tally_operator.usage import Round
@@ -65,7 +67,7 @@ def sample(requests: float, running: float = 0.0) -> PodSample:
 def test_one_pod_goes_to_zero_after_a_grace_of_no_traffic_and_any_traffic_restarts_the_grace(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: clock[0])
     scaling = Scaling(since=0.0, active_at=1000.0)
     decisions: list[tuple[int, str]] = []
     # seconds 0-40 a request now and then (the counter moves), one running at 40; then nothing at all
@@ -81,8 +83,27 @@ def test_one_pod_goes_to_zero_after_a_grace_of_no_traffic_and_any_traffic_restar
     assert first_zero == 100  # the last traffic at 40 (a generation running), then a grace of 60
 
 
+def test_a_grace_of_zero_means_after_the_first_idle_round_never_on_a_busy_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`graceSeconds: 0` scaled a busy pod to zero on the first round (the round's own traffic set the clock it
+    was compared with, and 0 >= 0). Busy rounds keep the pod; the first round without traffic takes it away."""
+    clock = [2000.0]
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: clock[0])
+    eager = replace(ZERO, scale_to_zero_grace_seconds=0)
+    scaling = Scaling(since=0.0, active_at=2000.0)
+    replicas = []
+    for step, (requests, running) in enumerate([(1, 1.0), (2, 1.0), (3, 0.0), (3, 0.0)]):
+        clock[0] = 2000.0 + 5 * step
+        scraped = autoscale(eager, 1, [pod("p")], Scraped(Round({"p": sample(requests, running)}, frozenset()), {},
+                                                          {}, held=Held()), scaling)
+        assert scraped.decision is not None and scraped.scaling is not None
+        scaling = scraped.scaling
+        replicas.append(scraped.decision.replicas)
+    assert replicas == [1, 1, 1, 0]  # the third round still counted a request (3 since 2): traffic; the fourth none
+
+
 def test_a_pod_not_read_or_a_held_request_is_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile.time, "monotonic", lambda: 5000.0)
+    monkeypatch.setattr(scaling_pass.time, "monotonic", lambda: 5000.0)
     idle = Scaling(since=0.0, active_at=0.0, requests_seen={"p": 3.0})
     unread = autoscale(ZERO, 1, [pod("p")], Scraped(Round({}, frozenset({"p"})), {}, {}, held=Held()), idle)
     held = autoscale(ZERO, 1, [pod("p")], Scraped(Round({"p": sample(3.0)}, frozenset()), {}, {},
