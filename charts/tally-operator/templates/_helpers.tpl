@@ -66,7 +66,7 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
   verbs: [get, list, watch, patch]
 - apiGroups: [serving.tally.dev]
   resources: [completionservices/status]
-  verbs: [get, patch]
+  verbs: [get, update, patch]  # update: the status is written whole, by compare-and-swap
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]  # delete: a service's activator once it stops scaling to zero
