@@ -128,6 +128,14 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
             log.warning("Refusing the metrics of pod %s of %s/%s: %s", uid, meta["namespace"], meta["name"], reason)
             post(body, "Warning", "MetricsRefused", f"The /metrics of pod {uid} were not counted: {reason}")
     memory.refused = dict(scraped.refused)
+    for uid, sample in scraped.round.samples.items():  # records a pod could not deliver: once per increase
+        before = memory.records_lost.get(uid)
+        if before is not None and sample.records_lost > before:
+            post(body, "Warning", "UsageRecordsLost",
+                 f"Pod {uid} could not deliver {sample.records_lost - before} usage record(s) to the billing system "
+                 f"({sample.records_lost} in all): its spool was full (the receiver down or too slow) or it drained "
+                 "with records undelivered; the ledger (status.usage) still counts them")
+    memory.records_lost = {uid: s.records_lost for uid, s in scraped.round.samples.items()}
     booking = planned.booking
     if booking.lost:
         post(body, "Warning", "UsageUnaccounted",

@@ -71,7 +71,7 @@ def grace_seconds(spec: Spec) -> int:
     return PRE_STOP_SECONDS + spec.drain_seconds + final_read_seconds(spec) + 15
 
 
-def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
+def runtime_args(spec: Spec, meta: Mapping[str, Any], settings: OperatorSettings | None = None) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
         "serve", "--host", "::", "--port", str(c.RUNTIME_PORT), "--metrics-port", str(c.RUNTIME_METRICS_PORT),
@@ -99,6 +99,10 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any]) -> list[str]:
                         "/pods/$(POD_NAME)")
         if spec.records_token_secret:
             args += ["--usage-records-token-file", c.DELIVERY_TOKEN_FILE]
+        platform = settings or OperatorSettings()
+        args.append(f"--usage-records-spool-bytes={platform.records_spool_bytes}")  # the volume is sized from it
+        if platform.records_proxy:
+            args.append(f"--usage-records-proxy={platform.records_proxy}")
     if spec.api_keys_secret:
         args += ["--api-keys-file", c.API_KEYS_FILE]
         if spec.trust_tenant_header:
@@ -143,7 +147,7 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
         "name": c.CONTAINER_NAME,
         "image": spec.image or settings.runtime_image,
         "command": [c.RUNTIME_COMMAND],
-        "args": runtime_args(spec, meta),
+        "args": runtime_args(spec, meta, settings),
         "ports": [{"name": c.RUNTIME_PORT_NAME, "containerPort": c.RUNTIME_PORT, "protocol": "TCP"},
                   {"name": c.RUNTIME_METRICS_PORT_NAME, "containerPort": c.RUNTIME_METRICS_PORT, "protocol": "TCP"}],
         # The pod's uid goes on the runtime's /metrics, so the operator can tell it reached this very pod
@@ -154,6 +158,8 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
                   else []),
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
+                *([{"name": "TALLY_USAGE_RECORDS_CA", "value": settings.records_ca}]
+                  if spec.records_url and settings.records_ca else []),
                 *[dict(e) for e in spec.env]],
         "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory}, "limits": limits},
         "volumeMounts": mounts,
@@ -199,11 +205,24 @@ def models_volume(source: Mapping[str, Any]) -> Obj:
     return volume
 
 
+LEDGER_MIB = 16  # the journal and the usage records file, with room
+SPOOL_SLACK_MIB = 2  # beyond the spool's bound: the segment being delivered and the one being written
+
+
+def ledger_volume(spec: Spec, settings: OperatorSettings) -> str:
+    """The pod's own volume (journal, records, delivery spool): sized from the spool's bound, so that a receiver
+    that is down fills the spool (its oldest records counted lost), never the volume (the kubelet evicts a pod
+    over its emptyDir limit, spool and all, at once: no drain, no final read)."""
+    if not spec.records_url:
+        return f"{LEDGER_MIB}Mi"
+    return f"{LEDGER_MIB + SPOOL_SLACK_MIB + -(-settings.records_spool_bytes // (1 << 20))}Mi"
+
+
 def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -> Obj:
     volumes: list[Obj] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shared_memory}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "ledger", "emptyDir": {"sizeLimit": "16Mi"}},
+        {"name": "ledger", "emptyDir": {"sizeLimit": ledger_volume(spec, settings)}},
     ]
     if spec.model_volume:
         volumes.append(models_volume(spec.model_volume))

@@ -111,6 +111,9 @@ class OperatorMetrics:
                                     labels, registry=self.registry)
         self.held_requests = Gauge(f"{PREFIX}_held_requests", "Scale to zero: requests the activator holds, "
                                    "waiting for a pod", labels, registry=self.registry)
+        self.picker_ready = Gauge(f"{PREFIX}_picker_ready", "InferencePool routing: 1 when the service's endpoint "
+                                  "picker is ready, 0 when not (the gateway then fails its requests open or closed)",
+                                  labels, registry=self.registry)
         self.cold_start = Gauge(f"{PREFIX}_cold_start_seconds", "Scale to zero: the last held request's time "
                                 "from held to its response's first byte", labels, registry=self.registry)
 
@@ -155,6 +158,6 @@ class OperatorMetrics:
                 gauge.remove(*labels)
         for metric in (self.healthy, self.pods_scraped, self.scrape_failures,
                        self.replicas, self.ready_replicas, self.last_scrape, self.desired_replicas,
-                       self.scaling_signal, self.held_requests, self.cold_start):
+                       self.scaling_signal, self.held_requests, self.cold_start, self.picker_ready):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

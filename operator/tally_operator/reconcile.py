@@ -135,6 +135,8 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     if spec.pool is not None:
         fields["routing"], routed = await asyncio.to_thread(pool_status, ctx, meta, spec)
         verdicts.append(routed)
+        ready = 1 if fields["routing"]["pickerReady"] else 0
+        ctx.metrics.picker_ready.labels(meta["namespace"], meta["name"]).set(ready)
     # Without our Deployment (deleted with --cascade=orphan, say) its pods are not gone: they are re-adopted
     # when it is back, so the ledger waits rather than count them lost and then book them whole again
     due = deployment is not None and scrape_due(memory, spec.scrape_interval_seconds)

@@ -70,6 +70,7 @@ class PodSample:
     refusals: Mapping[str, float] = field(default_factory=dict)  # tenant -> 429s for its budget or rate, so far
     lease_seq: int = 0  # the number of the lease message the pod applied last (0: none)
     reach: Mapping[str, int] = field(default_factory=dict)  # tenant -> counter value the pod may still reach
+    records_lost: int = 0  # usage records its delivery could not deliver (spool full, or drained undelivered)
 
     def acknowledgement(self) -> dict[str, float]:
         """The final counters as the runtime's final-read handshake expects them back (drain.py)."""
@@ -100,7 +101,7 @@ _TENANT_NAMES = {
 }
 _READ = {*_COUNTER_NAMES, *_LOAD_GAUGES, *_TENANT_NAMES, contract.START_TIME, contract.RUNTIME_INFO,
          contract.DRAINING, contract.BUDGET_WANTED, contract.sample_name(contract.BUDGET_REFUSALS),
-         contract.BUDGET_REACH, contract.BUDGET_SEQUENCE}
+         contract.BUDGET_REACH, contract.BUDGET_SEQUENCE, contract.sample_name(contract.RECORDS_LOST)}
 
 
 MAX_LOAD = 1e9  # no pod queues or runs this many requests: a larger gauge is not to be scaled on
@@ -127,6 +128,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
     refusals: dict[str, float] = {}
     reach: dict[str, int] = {}
     lease_seq = 0
+    records_lost = 0
     seen = False
     try:
         for family in text_string_to_metric_families(text):
@@ -154,6 +156,9 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                 elif sample.name == contract.sample_name(contract.BUDGET_REFUSALS):
                     tenant_name = sample.labels.get("tenant", "")
                     refusals[tenant_name] = refusals.get(tenant_name, 0.0) + sample.value
+                elif sample.name == contract.sample_name(contract.RECORDS_LOST):
+                    if sample.labels.get("sink") == "delivery":
+                        records_lost = int(min(sample.value, MAX_COUNT))
                 elif sample.name == contract.BUDGET_SEQUENCE:
                     lease_seq = int(sample.value)
                 elif sample.name == contract.BUDGET_REACH:  # rounded up: a bound is never understated
@@ -198,7 +203,7 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
         if not value <= MAX_LOAD:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
     return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load,
-                     wanted, refusals, lease_seq, reach)
+                     wanted, refusals, lease_seq, reach, records_lost)
 
 
 def _check(name: str, value: float, count: bool) -> None:

@@ -68,6 +68,11 @@ class OperatorSettings:
     picker_resources: Mapping[str, Any] = field(default_factory=lambda: {
         "requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}})
     picker_image_pull_secrets: tuple[str, ...] = ()  # empty: runtime_image_pull_secrets
+    # Record delivery, the platform's (chart values usageRecords.*): how many undelivered bytes a pod's spool holds
+    # (its volume is sized from it, so the spool never fills it), the receiver's CAs (PEM) and an egress proxy
+    records_spool_bytes: int = 64 << 20
+    records_ca: str = ""
+    records_proxy: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

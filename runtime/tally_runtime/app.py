@@ -161,8 +161,10 @@ def start_delivery(settings: Settings, metrics_: Metrics) -> Delivery | None:
         with Path(settings.usage_records_token_file).open("rb") as f:
             token = f.read(MAX_TOKEN_BYTES).decode("utf-8", "replace").strip()
     delivery = Delivery(settings.usage_records_url, spool, token, settings.usage_records_spool_bytes,
-                        on_lost=lambda: metrics_.records_lost.labels("delivery").inc(),
-                        on_delivered=metrics_.records_delivered.inc)
+                        on_lost=lambda count: metrics_.records_lost.labels("delivery").inc(count),
+                        on_delivered=metrics_.records_delivered.inc, ca_file=settings.usage_records_ca_file,
+                        proxy=settings.usage_records_proxy, ca_pem=settings.usage_records_ca)
+    metrics_.records_oldest.set_function(delivery.spool.oldest_age)
     metrics_.records_queued.set_function(lambda: float(delivery.pending))
     if delivery.pending:
         log.info("%d usage record(s) from before a restart are still to be delivered", delivery.pending)

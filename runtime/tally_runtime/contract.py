@@ -30,6 +30,7 @@ DRAINING = f"{PREFIX}_draining"  # gauge: 1 once SIGTERM was received (a read wh
 RUNTIME_INFO = f"{PREFIX}_runtime_info"  # gauge{pod_uid}: 1; which pod this runtime says it is
 JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter journal cannot be written
 RECORDS_QUEUED = f"{PREFIX}_usage_records_queued"  # gauge: spooled for --usage-records-url, not yet delivered
+RECORDS_OLDEST = f"{PREFIX}_usage_records_oldest_seconds"  # gauge: age of the oldest record not yet delivered
 RECORDS_DELIVERED = f"{PREFIX}_usage_records_delivered"  # counter: taken by the receiver (2xx)
 RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not written whole (stdout, file)
 STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading

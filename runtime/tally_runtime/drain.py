@@ -137,9 +137,9 @@ class Drain:
         await server.settle()
         if self.delivery is not None:  # the records reach the billing system before the pod goes
             left = max(FLUSH_SECONDS, self.began + self.drain_seconds - time.monotonic())
-            if not await self.delivery.flush(left):
-                log.warning("Drained with %d usage record(s) not delivered to the billing system",
-                            self.delivery.pending)
+            if not await self.delivery.flush(left):  # the volume goes with the pod: what is left is lost
+                log.error("Drained with %d usage record(s) not delivered to the billing system: counted lost",
+                          self.delivery.abandon())
         unused = max(0.0, self.began + self.drain_seconds - time.monotonic())
         wait = self.final_read_seconds + unused if self.final_read_seconds > 0 else 0.0
         if wait > 0:

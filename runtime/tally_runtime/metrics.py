@@ -70,6 +70,8 @@ class Metrics:
                                            registry=r)
         self.records_queued = Gauge(contract.RECORDS_QUEUED, "Usage records spooled and not yet delivered to "
                                     "--usage-records-url", registry=r)
+        self.records_oldest = Gauge(contract.RECORDS_OLDEST, "Age of the oldest usage record not yet delivered "
+                                    "(0: none)", registry=r)
         self.records_delivered = Counter(contract.RECORDS_DELIVERED, "Usage records the receiver took (2xx)",
                                          registry=r)
         self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "

@@ -51,8 +51,11 @@ class Settings:
     usage_records_format: str = "tally"  # tally | cloudevents
     usage_records_url: str = ""  # deliver the records (CloudEvents batches) to this URL, through a spool
     usage_records_token_file: str = ""  # a bearer token for it, read from this file
-    usage_records_spool: str = ""  # the spool file (default: next to the journal)
+    usage_records_spool: str = ""  # the spool directory (default: next to the journal)
     usage_records_spool_bytes: int = 64 << 20
+    usage_records_ca_file: str = ""  # PEM CAs the receiver's certificate must chain to (default: the system's)
+    usage_records_ca: str = ""  # the same as PEM text (the operator sets it from the platform's chart values)
+    usage_records_proxy: str = ""  # an http(s) proxy to reach the receiver through (the environment's is not read)
     usage_source: str = ""  # the CloudEvents source; empty: tally-runtime/<host name>
     tenant_header: str = "X-Tally-Tenant"
     api_keys_file: str = ""  # empty: no keys (the tenant header or `user` names the tenant)
@@ -125,8 +128,15 @@ _HELP: dict[str, str] = {
     "usage_records_url": "also deliver every record, as CloudEvents batches (application/cloudevents-batch+json, "
                          "e.g. OpenMeter's /api/v1/events), to this http(s) URL, at least once, through a spool",
     "usage_records_token_file": "a file holding the bearer token for --usage-records-url",
-    "usage_records_spool": "the delivery spool file (default: usage-records.spool next to --journal-path)",
-    "usage_records_spool_bytes": "records the spool may hold undelivered, in bytes; beyond, they are counted lost",
+    "usage_records_spool": "the delivery spool directory (default: usage-records.spool next to --journal-path; an "
+                           "earlier runtime's spool file there is taken over)",
+    "usage_records_spool_bytes": "records the spool may hold undelivered, in bytes; beyond, the oldest are counted "
+                                 "lost (what the volume needs: this and 1 MiB)",
+    "usage_records_ca_file": "a PEM file of the CAs the receiver's certificate must chain to (default: the "
+                             "system's)",
+    "usage_records_ca": "the same CAs as PEM text (TALLY_USAGE_RECORDS_CA: what the operator sets)",
+    "usage_records_proxy": "an http:// or https:// proxy to reach the receiver through (the environment's proxy "
+                           "variables are not read)",
     "usage_records_format": "'tally' (plain tally.usage.v1 JSON lines) or 'cloudevents' (each record a CloudEvent, "
     "type dev.tally.usage.v1, id the response id, subject the tenant, data the record: what OpenMeter ingests)",
     "usage_source": "the CloudEvents source of the records (the operator sets /namespaces/<ns>/completionservices/"
@@ -232,6 +242,10 @@ def validate(settings: Settings) -> str:
             return "--usage-records-url needs --usage-records-spool (or --journal-path, whose directory it uses)"
         if settings.usage_records_spool_bytes < 4096:
             return "--usage-records-spool-bytes must be at least 4096"
+        if settings.usage_records_proxy and not settings.usage_records_proxy.startswith(("http://", "https://")):
+            return "--usage-records-proxy must be an http:// or https:// URL"
+        if settings.usage_records_ca_file and not os.path.isfile(settings.usage_records_ca_file):
+            return f"--usage-records-ca-file {settings.usage_records_ca_file!r} is not a file"
     if settings.usage_records_format not in FORMATS:
         return f"--usage-records-format must be one of {', '.join(FORMATS)}, not {settings.usage_records_format!r}"
     if settings.engine not in ENGINES:

@@ -362,3 +362,25 @@ def test_the_budgets_status_round_trip_defers_a_count_changed_mid_month(writers:
     third = kube.json("get", "completionservice", "books")["status"]["budgets"]
     assert (third["count"], third["pendingCount"]) == ("total", "completion")
     assert third["tenants"]["acme"]["spent"] == 100
+
+
+def test_records_a_pod_could_not_deliver_are_told_in_an_event_once_per_increase(writers: str, kube: Kubectl) -> None:
+    """A pod whose spool was full (the receiver down) counts the records it dropped: the operator says so on the
+    service, once for each increase it reads, never for a count it already told."""
+    import dataclasses
+
+    body = create(kube)
+    operator, pod = Operator(writers), Pod()
+
+    def losing(count: int) -> Observe:
+        async def observe(_: Any) -> tuple[Observed, Scraped | None]:
+            pod.serve(1)
+            sample = dataclasses.replace(pod.sample(), records_lost=count)
+            round_ = Round({pod.uid: sample}, present=frozenset([pod.uid]))
+            return Observed(1, [], {}, round_), Scraped(round_, {}, {})
+        return observe
+
+    for count in (0, 0, 5, 5, 12):
+        asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), losing(count)))
+    assert [reason for _, reason in operator.events].count("UsageRecordsLost") == 2
+    assert body["metadata"]["uid"]

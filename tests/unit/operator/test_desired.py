@@ -122,3 +122,24 @@ def test_engine_args_outside_the_allow_list_are_refused(item: str) -> None:
     with pytest.raises(SpecError) as refused:
         parse_spec({**SGLANG, "engine": {"kind": "sglang", "args": ["--stream-interval=2", item]}})
     assert refused.value.reason in {"ForbiddenEngineArgument", "OwnedEngineArgument"}
+
+
+def test_a_delivering_pods_volume_is_sized_from_its_spool_and_the_platform_configures_the_receiver() -> None:
+    """The spool held 64 MiB by default on a 16 Mi emptyDir: a receiver down for half an hour got every delivering
+    pod evicted (no drain, no final read, the spool deleted with it). The spool's bound is now passed, and the
+    volume is the spool plus room; the CAs and the proxy are the platform's settings, not the spec's."""
+    raw = {"model": {"name": "m"}, "engine": {"kind": "cpu"},
+           "usageRecords": {"delivery": {"url": "https://meter.example/api/v1/events"}}}
+    settings = OperatorSettings(records_spool_bytes=64 << 20, records_ca="-----BEGIN CERTIFICATE-----",
+                                records_proxy="http://egress:3128")
+    pod = desired_deployment(META, parse_spec(raw), settings)["spec"]["template"]["spec"]
+    ledger = next(v for v in pod["volumes"] if v["name"] == "ledger")
+    args = pod["containers"][0]["args"]
+    assert "--usage-records-spool-bytes=67108864" in args and "--usage-records-proxy=http://egress:3128" in args
+    assert ledger["emptyDir"]["sizeLimit"] == "82Mi"  # 16 for the journal, 64 of spool, 2 for its segments
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["TALLY_USAGE_RECORDS_CA"] == "-----BEGIN CERTIFICATE-----"
+    plain = desired_deployment(META, parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}}), settings)[
+        "spec"]["template"]["spec"]
+    assert next(v for v in plain["volumes"] if v["name"] == "ledger")["emptyDir"]["sizeLimit"] == "16Mi"
+    assert "TALLY_USAGE_RECORDS_CA" not in {e["name"] for e in plain["containers"][0]["env"]}
