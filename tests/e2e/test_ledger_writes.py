@@ -325,7 +325,11 @@ def test_a_spec_the_operator_refuses_still_has_its_pods_booked(writers: str, kub
     simulated_pods.append(pod)
     asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,
                           apply_children=True))
-    kube("patch", "completionservice", "books", "--type=merge", "-p", '{"spec":{"engine":{"image":"evil/runtime:1"}}}')
+    # an image the cluster's admission policy (the chart's, if installed) still lets through but this operator no
+    # longer runs: its allow-list (here only its own runtime image) was tightened after the pods were made
+    assert "tally-runtime-fakes:later" not in operator.ctx.settings.allowed_images
+    kube("patch", "completionservice", "books", "--type=merge", "-p",
+         '{"spec":{"engine":{"image":"tally-runtime-fakes:later"}}}')
     pod.serve(25)
     operator.memory.scraped_at = -1e9
     asyncio.run(reconcile(operator.ctx, kopf.Body(kube.json("get", "completionservice", "books")), operator.memory,

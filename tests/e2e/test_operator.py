@@ -164,7 +164,10 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
     assert {("Role", namespace), ("RoleBinding", namespace), ("KopfPeering", namespace)} <= kinds
     assert ("ClusterKopfPeering", None) not in kinds
     cluster_role = next(o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "tally-team-a")
-    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
+    # cluster-wide only what is cluster-scoped: CRDs, and the platform's Budgets (read; their status written)
+    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"], ["budgets"],
+                                                               ["budgets/status"]]
+    assert "create" not in cluster_role["rules"][1]["verbs"] and "delete" not in cluster_role["rules"][1]["verbs"]
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"} == \
         {"completionservices.serving.tally.dev"}  # cluster-scoped whatever the release watches
     names = {o["metadata"]["name"] for o in objects

@@ -1,6 +1,6 @@
 """The chart's operator and the CPU example as real containers on the cluster's real node.
 
-Images built by hack/images.sh, run by containerd and the kubelet: probes against /health, the operator
+Images built by hack/images.sh, run by containerd and the kubelet: probes against /health and /ready, the operator
 with its mounted ServiceAccount (two replicas, peering), Service routing through kube-proxy, a container
 killed under the kubelet and restarted by it, and a rollout, with what clients in pods received checked
 against the usage the operator puts on the resource.
@@ -115,8 +115,10 @@ def test_runtime_pods_are_ready_by_their_health_probes(served: Kubectl) -> None:
         assert pod["spec"]["nodeName"] == NODE
         assert ipaddress.ip_address(pod["status"]["podIP"]) in POD_NET
         container = pod["spec"]["containers"][0]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["httpGet"]["path"] == "/health"
+        # alive and started by /health; ready (in the Service) by /ready: healthy and holding its first lease
+        paths = {probe: container[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe",
+                                                                        "livenessProbe")}
+        assert paths == {"startupProbe": "/health", "readinessProbe": "/ready", "livenessProbe": "/health"}
         status = pod["status"]["containerStatuses"][0]
         assert status["ready"] is True and status["started"] is True and status["restartCount"] == 0, status
         assert status["image"].endswith(f"tally-runtime:{VERSION}")
