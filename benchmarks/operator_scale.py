@@ -218,7 +218,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--services", type=int, default=200)
     parser.add_argument("--pods", type=int, default=500)
-    parser.add_argument("--tenants", type=int, default=0, help="also measure one service's books with this many tenants")
+    parser.add_argument("--tenants", type=int, default=0,
+                        help="also measure one service's books with this many tenants")
     parser.add_argument("--json")
     args = parser.parse_args()
     report: dict[str, Any] = {"scrape_round": scrape_round(args.pods)}
