@@ -6,8 +6,11 @@
    process's CPU time and peak memory.
 3. one scrape round over P pods' /metrics (real runtime metrics text, served on loopback) with the
    operator's scrape + parse code.
+4. with --tenants T: the books of one service of P pods whose tenants are T in all (each pod serving up to
+   the per-pod bound): a pod's /metrics size and parse time, one round booked and planned with a default
+   budget, the status it writes (bytes: etcd refuses objects over about 1.5 MiB) and the memory it takes.
 
-    python benchmarks/operator_scale.py [--services 200] [--pods 500] [--json out.json]
+    python benchmarks/operator_scale.py [--services 200] [--pods 500] [--tenants 1000] [--json out.json]
 (brings the local control plane up if needed; leaves it up)
 """
 
@@ -159,13 +162,69 @@ def scrape_round(pods: int) -> dict[str, float]:
         server.shutdown()
 
 
+def tenant_metrics(pod: int, tenants: list[str]) -> str:
+    """A runtime's /metrics text for one pod serving `tenants` (each 1 request of 20 + 10 tokens)."""
+    head = (f'tally_runtime_info{{pod_uid="pod-{pod}"}} 1\ntally_start_time_seconds 1000\n'
+            f'tally_requests_total{{endpoint="chat",outcome="ok",finish_reason="stop"}} {len(tenants)}\n'
+            f"tally_prompt_tokens_total {20 * len(tenants)}\ntally_completion_tokens_total {10 * len(tenants)}\n"
+            "tally_cached_tokens_total 0\n")
+    lines = []
+    for tenant in tenants:
+        lines += [f'tally_tenant_requests_total{{tenant="{tenant}"}} 1',
+                  f'tally_tenant_prompt_tokens_total{{tenant="{tenant}"}} 20',
+                  f'tally_tenant_completion_tokens_total{{tenant="{tenant}"}} 10',
+                  f'tally_tenant_cached_tokens_total{{tenant="{tenant}"}} 0']
+    return head + "\n".join(lines) + "\n"
+
+
+def books_round(pods: int, tenants: int) -> dict[str, Any]:
+    """One service's books with `tenants` in all over `pods` pods (each serves up to the per-pod bound)."""
+    import datetime
+    import tracemalloc
+
+    from tally_operator.budget import BudgetConfig, TenantBudget, budgets_status, plan_budgets, state_from_status
+    from tally_operator.samples import MAX_TENANTS_PER_POD
+    from tally_operator.usage import Round, book, ledger_from_status, ledger_status
+
+    names = [f"tenant-{i:05d}" for i in range(tenants)]
+    per_pod = min(MAX_TENANTS_PER_POD, tenants)
+    texts = {f"pod-{p}": tenant_metrics(p, [names[(p * per_pod + i) % tenants] for i in range(per_pod)])
+             for p in range(pods)}
+    start = time.perf_counter()
+    samples = {uid: parse_sample(text, uid) for uid, text in texts.items()}
+    parse_seconds = time.perf_counter() - start
+    tracemalloc.start()
+    start = time.perf_counter()
+    before = ledger_from_status({})
+    booking = book(before, Round(samples, present=frozenset(samples)))
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=10**9))
+    now = datetime.datetime.now(datetime.UTC)
+    planned = plan_budgets(config, before, booking.ledger, state_from_status({}), frozenset(samples), now,
+                           {uid: {} for uid in samples})
+    usage_bytes = len(json.dumps(ledger_status(booking.ledger)))
+    budgets_bytes = len(json.dumps(budgets_status(planned, config)))
+    plan_seconds = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"pods": pods, "tenants": tenants, "tenants_per_pod": per_pod,
+            "metrics_bytes_per_pod": len(next(iter(texts.values()))), "parse_seconds_all_pods": parse_seconds,
+            "ledger_tenants": len(booking.ledger.tenants), "tenants_folded": booking.ledger.tenants_folded,
+            "budgeted_tenants": len(planned.tenants), "book_and_plan_seconds": plan_seconds,
+            "status_usage_bytes": usage_bytes, "status_budgets_bytes": budgets_bytes,
+            "status_bytes": usage_bytes + budgets_bytes, "peak_python_mb": peak / 2**20}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--services", type=int, default=200)
     parser.add_argument("--pods", type=int, default=500)
+    parser.add_argument("--tenants", type=int, default=0,
+                        help="also measure one service's books with this many tenants")
     parser.add_argument("--json")
     args = parser.parse_args()
     report: dict[str, Any] = {"scrape_round": scrape_round(args.pods)}
+    if args.tenants:
+        report["books"] = books_round(min(args.pods, 50), args.tenants)
     if args.services:
         env = cluster_env()
         kubectl = Kubectl(env)
