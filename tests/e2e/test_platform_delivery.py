@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kube_harness import Kubectl, eventually, in_cluster
 from operator_harness import NAMESPACE, SUITE_SETTINGS, ChartOperator, install_chart
-from usage_harness import MODEL, serving_pods, service
+from usage_harness import MODEL, service, serving_pods
 
 pytestmark = pytest.mark.e2e
 SPOOL_KIB = 64  # about 100 records: the outage below writes more
