@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from records_harness import TOKEN, Receiver, serve, told
 from runtime_harness import metric_value, runtime_process
 
@@ -69,3 +70,34 @@ def test_records_of_another_service_are_not_forwarded() -> None:
                           {"event": {"source": SOURCE}}, "junk"]}
     events, foreign = forwardable(answer, "team", "chat")
     assert [e["id"] for e in events] == ["a"] and foreign == 3
+
+
+def test_the_operator_reaches_a_billing_system_behind_a_private_ca_and_through_a_proxy(tmp_path: Path,
+                                                                                      receiver: Receiver) -> None:
+    """The platform's CAs (usageRecords.caBundle) and proxy (usageRecords.proxy) are the operator's forwarder's."""
+    import ssl
+
+    from records_harness import Proxy, private_ca
+
+    proxy = Proxy()
+    try:
+        token = tmp_path / "platform-token"
+        token.write_text(TOKEN)
+        via_proxy = Forwarder(OperatorSettings(records_url=receiver.url, records_token_file=str(token),
+                                               records_proxy=proxy.url))
+        asyncio.run(via_proxy.send([{"id": "p1", "source": SOURCE, "data": {"prompt_tokens": 1,
+                                                                              "completion_tokens": 1}}]))
+        assert "p1" in receiver.events and proxy.forwarded == 1
+    finally:
+        proxy.server.shutdown()
+    ca, cert, key = private_ca(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    receiver.server.socket = context.wrap_socket(receiver.server.socket, server_side=True)
+    url = receiver.url.replace("http://", "https://")
+    untrusting = Forwarder(OperatorSettings(records_url=url, records_token_file=str(token)))
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(untrusting.send([{"id": "t0", "source": SOURCE}]))
+    trusting = Forwarder(OperatorSettings(records_url=url, records_token_file=str(token), records_ca=ca.read_text()))
+    asyncio.run(trusting.send([{"id": "t1", "source": SOURCE, "data": {"prompt_tokens": 1, "completion_tokens": 1}}]))
+    assert "t1" in receiver.events and "t0" not in receiver.events
