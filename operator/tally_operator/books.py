@@ -22,6 +22,7 @@ import kopf
 
 from tally_operator import constants as c
 from tally_operator.bookkeeping import Observed, Plan, plan
+from tally_operator.collector import collect
 from tally_operator.conditions import is_bad
 from tally_operator.context import Context, Scraped, ServiceMemory
 from tally_operator.kube import KubeError
@@ -168,6 +169,8 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
         source = planned.budgets.source
         if source.startswith("Budget/") and any(view.asked for view in planned.budgets.tenants.values()):
             ctx.wake(("Budget", source.removeprefix("Budget/")))  # requests wait for more than this slice
+    if ctx.forwarder is not None:  # the records of what was just booked, to the platform's billing system
+        await collect(ctx.forwarder, ctx.signer, ctx.settings.scrape_timeout, meta, scraped.urls)
     await acknowledge_final(ctx, scraped)
 
 async def send_leases(ctx: Context, scraped: Scraped, messages: Mapping[str, Mapping[str, Any]]) -> None:

@@ -18,6 +18,7 @@ from tally_operator.autoscale import (
     Observation,
     Recommendation,
 )
+from tally_operator.collector import Forwarder
 from tally_operator.kube import Kube
 from tally_operator.metrics import OperatorMetrics
 from tally_operator.observations import Observations
@@ -42,6 +43,7 @@ class Context:
     metrics: OperatorMetrics
     signer: Signer
     post_event: Post = kopf_event
+    forwarder: Forwarder | None = None  # the platform's record delivery, when its billing system is configured
     # Wake-ups between the daemons of this process: a Budget whose services ask for more, a service whose slices
     # changed. Keyed by (kind, name) for a Budget, (namespace, name) for a service.
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)

@@ -71,6 +71,17 @@ def grace_seconds(spec: Spec) -> int:
     return PRE_STOP_SECONDS + spec.drain_seconds + final_read_seconds(spec) + 15
 
 
+def records_collected(spec: Spec, settings: OperatorSettings) -> bool:
+    """The platform delivers this service's records (the operator collects them from its pods): a billing system
+    is configured, and the service does not deliver its own where the platform allows that."""
+    return bool(settings.records_url) and not (spec.records_url and settings.allow_service_delivery)
+
+
+def records_pushed(spec: Spec, settings: OperatorSettings) -> bool:
+    """The service's pods deliver its records themselves, to its spec's receiver (where the platform allows)."""
+    return bool(spec.records_url) and settings.allow_service_delivery
+
+
 def runtime_args(spec: Spec, meta: Mapping[str, Any], settings: OperatorSettings | None = None) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
@@ -92,14 +103,19 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any], settings: OperatorSettings
                  f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}/pods/$(POD_NAME)"]
     if spec.budgets is not None:  # every tenant a pod may be sent counted apart (a tenant past it is refused)
         args += ["--budgets", "--max-tenants", str(MAX_TENANTS_PER_POD)]
-    if spec.records_url:  # spooled next to the journal, on the pod's volume
+    platform = settings or OperatorSettings()
+    if records_collected(spec, platform):  # kept for the operator to collect and forward (collector.py)
+        args += ["--usage-records-pull", f"--usage-records-spool-bytes={platform.records_spool_bytes}"]
+        if spec.records_format != "cloudevents":
+            args.append(f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}"
+                        "/pods/$(POD_NAME)")
+    elif records_pushed(spec, platform):  # spooled next to the journal, on the pod's volume
         args += ["--usage-records-url", spec.records_url]
         if spec.records_format != "cloudevents":
             args.append(f"--usage-source=/namespaces/{meta['namespace']}/completionservices/{meta['name']}"
                         "/pods/$(POD_NAME)")
         if spec.records_token_secret:
             args += ["--usage-records-token-file", c.DELIVERY_TOKEN_FILE]
-        platform = settings or OperatorSettings()
         args.append(f"--usage-records-spool-bytes={platform.records_spool_bytes}")  # the volume is sized from it
         if platform.records_proxy:
             args.append(f"--usage-records-proxy={platform.records_proxy}")
@@ -141,7 +157,7 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
     if spec.api_keys_secret:
         mounts.append({"name": "api-keys", "mountPath": c.AUTH_DIR, "readOnly": True})
-    if spec.records_url and spec.records_token_secret:
+    if records_pushed(spec, settings) and spec.records_token_secret:
         mounts.append({"name": "delivery", "mountPath": c.DELIVERY_DIR, "readOnly": True})
     return {
         "name": c.CONTAINER_NAME,
@@ -159,7 +175,7 @@ def _container(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) 
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
                 *([{"name": "TALLY_USAGE_RECORDS_CA", "value": settings.records_ca}]
-                  if spec.records_url and settings.records_ca else []),
+                  if records_pushed(spec, settings) and settings.records_ca else []),
                 *[dict(e) for e in spec.env]],
         "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory}, "limits": limits},
         "volumeMounts": mounts,
@@ -213,7 +229,7 @@ def ledger_volume(spec: Spec, settings: OperatorSettings) -> str:
     """The pod's own volume (journal, records, delivery spool): sized from the spool's bound, so that a receiver
     that is down fills the spool (its oldest records counted lost), never the volume (the kubelet evicts a pod
     over its emptyDir limit, spool and all, at once: no drain, no final read)."""
-    if not spec.records_url:
+    if not (records_pushed(spec, settings) or records_collected(spec, settings)):
         return f"{LEDGER_MIB}Mi"
     return f"{LEDGER_MIB + SPOOL_SLACK_MIB + -(-settings.records_spool_bytes // (1 << 20))}Mi"
 
@@ -226,7 +242,7 @@ def _pod_spec(meta: Mapping[str, Any], spec: Spec, settings: OperatorSettings) -
     ]
     if spec.model_volume:
         volumes.append(models_volume(spec.model_volume))
-    if spec.records_url and spec.records_token_secret:
+    if records_pushed(spec, settings) and spec.records_token_secret:
         volumes.append({"name": "delivery", "secret": {"secretName": spec.records_token_secret, "defaultMode": 0o400,
                                                        "items": [{"key": spec.records_token_key, "path": "token"}]}})
     if spec.api_keys_secret:

@@ -20,6 +20,7 @@ import kopf
 from tally_operator import constants as c
 from tally_operator.asks import asked
 from tally_operator.budget_round import budget_round
+from tally_operator.collector import Forwarder
 from tally_operator.context import Context, ServiceMemory
 from tally_operator.kube import Kube, KubeError
 from tally_operator.metrics import OperatorMetrics
@@ -55,7 +56,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.name = SETTINGS.peering_name
     settings.peering.clusterwide = SETTINGS.peering_clusterwide
     signer = Signer.load(SETTINGS.signing_key_file)
-    memo.context = Context(replace(SETTINGS, final_read_key=signer.public_key), Kube(), OperatorMetrics(), signer)
+    memo.context = Context(replace(SETTINGS, final_read_key=signer.public_key), Kube(), OperatorMetrics(), signer,
+                           forwarder=Forwarder(SETTINGS) if SETTINGS.records_url else None)
     if SETTINGS.metrics_port:
         memo.context.metrics.serve(SETTINGS.metrics_port, SETTINGS.metrics_address)
 

@@ -44,6 +44,9 @@ def check_policy(spec: Spec, settings: OperatorSettings) -> None:
             raise SpecError("ForbiddenEnv", f"spec.engine.env may not set {name!r}: allowed are "
                                             f"{', '.join(settings.allowed_env_names) or 'none'} (the chart's "
                                             "policy.allowedEnvNames); others could make the runtime load code")
+    if spec.records_url and not settings.allow_service_delivery:
+        raise SpecError("ForbiddenDelivery", "spec.usageRecords.delivery is not allowed: the platform delivers every "
+                                             "service's usage records (the chart's usageRecords.delivery)")
     for field, value, allowed in (("priorityClassName", spec.priority_class_name, settings.allowed_priority_classes),
                                   ("runtimeClassName", spec.runtime_class_name, settings.allowed_runtime_classes)):
         if value and value not in allowed:

@@ -73,6 +73,12 @@ class OperatorSettings:
     records_spool_bytes: int = 64 << 20
     records_ca: str = ""
     records_proxy: str = ""
+    # The platform's billing system (chart values usageRecords.delivery): the operator collects every pod's
+    # records and forwards them there with this token (a file of the operator's own Secret, never in a serving
+    # namespace); a service's own spec.usageRecords.delivery applies instead only where this allows it
+    records_url: str = ""
+    records_token_file: str = ""
+    allow_service_delivery: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

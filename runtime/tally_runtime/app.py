@@ -23,6 +23,7 @@ from tally_runtime import contract, handoff, pool_metrics
 from tally_runtime.auth import ApiKeys
 from tally_runtime.budgets import Budgets
 from tally_runtime.client_watch import StallGuard
+from tally_runtime.collect import Collection
 from tally_runtime.delivery import Delivery
 from tally_runtime.drain import Drain
 from tally_runtime.engine.base import Engine
@@ -62,6 +63,7 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
         metrics_ = Metrics(engine_offset=(info.probe_prompt_tokens, info.probe_completion_tokens),
                            totals=totals, max_tenants=settings.max_tenants, pod_uid=settings.pod_uid)
         delivery = start_delivery(settings, metrics_)
+        app.state.collection = delivery if isinstance(delivery, Collection) else None
         records = RecordSink(settings.usage_records, settings.usage_records_file, cloudevents_source(settings),
                              on_lost=lambda sink: metrics_.records_lost.labels(sink).inc(),
                              deliver=delivery.append if delivery is not None else None,
@@ -151,11 +153,19 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
 MAX_TOKEN_BYTES = 4096  # a bearer token; a larger file is read no further
 
 
-def start_delivery(settings: Settings, metrics_: Metrics) -> Delivery | None:
-    """The records' delivery to --usage-records-url, its spool next to the journal unless named."""
-    if not settings.usage_records_url:
+def start_delivery(settings: Settings, metrics_: Metrics) -> Delivery | Collection | None:
+    """The records' delivery to --usage-records-url, or kept for the operator to collect (--usage-records-pull);
+    the spool next to the journal unless named."""
+    if not settings.usage_records_url and not settings.usage_records_pull:
         return None
     spool = Path(settings.usage_records_spool or Path(settings.journal_path).parent / "usage-records.spool")
+    if settings.usage_records_pull:
+        collection = Collection(spool, settings.usage_records_spool_bytes,
+                                on_lost=lambda count: metrics_.records_lost.labels("delivery").inc(count),
+                                on_refused=metrics_.records_refused.inc, on_collected=metrics_.records_delivered.inc)
+        metrics_.records_oldest.set_function(collection.spool.oldest_age)
+        metrics_.records_queued.set_function(lambda: float(collection.pending))
+        return collection
     token = ""
     if settings.usage_records_token_file:
         with Path(settings.usage_records_token_file).open("rb") as f:
@@ -183,7 +193,8 @@ def _no_exit() -> None:
     log.warning("Drained, but this app was given no way to stop its server")
 
 
-METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH, contract.BUDGET_ASKS_PATH})
+METRICS_PATHS = frozenset({"/metrics", contract.FINAL_READ_PATH, contract.BUDGETS_PATH, contract.BUDGET_ASKS_PATH,
+                           contract.RECORDS_PATH, contract.RECORDS_ACK_PATH})
 
 
 BOTH_PORTS = frozenset({"/health", contract.READY_PATH})

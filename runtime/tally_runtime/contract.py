@@ -31,6 +31,11 @@ RUNTIME_INFO = f"{PREFIX}_runtime_info"  # gauge{pod_uid}: 1; which pod this run
 JOURNAL_HEALTHY = f"{PREFIX}_journal_healthy"  # gauge: 0 while the counter journal cannot be written
 RECORDS_QUEUED = f"{PREFIX}_usage_records_queued"  # gauge: spooled for --usage-records-url, not yet delivered
 RECORDS_OLDEST = f"{PREFIX}_usage_records_oldest_seconds"  # gauge: age of the oldest record not yet delivered
+RECORDS_REFUSED = f"{PREFIX}_usage_records_refused"  # counter: spool lines this runtime did not write (not sent)
+# --usage-records-pull: GET ?max=N (the records from the last acknowledged position, with `through`), and POST
+# {podUid, epoch, through} signed by the operator once it forwarded them (collect.py)
+RECORDS_PATH = "/internal/records"
+RECORDS_ACK_PATH = "/internal/records/ack"
 RECORDS_DELIVERED = f"{PREFIX}_usage_records_delivered"  # counter: taken by the receiver (2xx)
 RECORDS_LOST = f"{PREFIX}_usage_records_lost"  # counter{sink}: records not written whole (stdout, file)
 STALLED_STREAMS = f"{PREFIX}_stalled_streams"  # counter: streams ended for a client that stopped reading

@@ -36,6 +36,7 @@ from tally_runtime.ledger import Totals
 from tally_runtime.serving import Server
 
 if TYPE_CHECKING:
+    from tally_runtime.collect import Collection
     from tally_runtime.delivery import Delivery
     from tally_runtime.http_limits import Connections
 
@@ -60,7 +61,7 @@ def matches(acknowledged: Mapping[str, Any], totals: Totals) -> bool:
 class Drain:
     def __init__(self, server: Server, drain_seconds: float, final_read_seconds: float,
                  exit_now: Callable[[], None], connections: Connections | None = None,
-                 delivery: Delivery | None = None) -> None:
+                 delivery: Delivery | Collection | None = None) -> None:
         self.server = server
         self.delivery = delivery
         self.connections = connections

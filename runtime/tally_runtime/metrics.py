@@ -72,6 +72,8 @@ class Metrics:
                                     "--usage-records-url", registry=r)
         self.records_oldest = Gauge(contract.RECORDS_OLDEST, "Age of the oldest usage record not yet delivered "
                                     "(0: none)", registry=r)
+        self.records_refused = Counter(contract.RECORDS_REFUSED, "Spool lines this runtime did not write: refused, "
+                                       "not forwarded", registry=r)
         self.records_delivered = Counter(contract.RECORDS_DELIVERED, "Usage records the receiver took (2xx)",
                                          registry=r)
         self.budget_remaining = Gauge(contract.BUDGET_REMAINING, "Tokens the tenant may still spend on this pod "

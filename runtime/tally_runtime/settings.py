@@ -51,6 +51,7 @@ class Settings:
     usage_records_format: str = "tally"  # tally | cloudevents
     usage_records_url: str = ""  # deliver the records (CloudEvents batches) to this URL, through a spool
     usage_records_token_file: str = ""  # a bearer token for it, read from this file
+    usage_records_pull: bool = False  # keep the records (CloudEvents) for the operator to collect instead
     usage_records_spool: str = ""  # the spool directory (default: next to the journal)
     usage_records_spool_bytes: int = 64 << 20
     usage_records_ca_file: str = ""  # PEM CAs the receiver's certificate must chain to (default: the system's)
@@ -128,6 +129,8 @@ _HELP: dict[str, str] = {
     "usage_records_url": "also deliver every record, as CloudEvents batches (application/cloudevents-batch+json, "
                          "e.g. OpenMeter's /api/v1/events), to this http(s) URL, at least once, through a spool",
     "usage_records_token_file": "a file holding the bearer token for --usage-records-url",
+    "usage_records_pull": "keep every record (as a CloudEvent) in the spool for the operator to collect from the "
+                          "metrics port and forward to the platform's billing system (instead of --usage-records-url)",
     "usage_records_spool": "the delivery spool directory (default: usage-records.spool next to --journal-path; an "
                            "earlier runtime's spool file there is taken over)",
     "usage_records_spool_bytes": "records the spool may hold undelivered, in bytes; beyond, the oldest are counted "
@@ -235,6 +238,13 @@ def settings_from(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
 
 def validate(settings: Settings) -> str:
+    if settings.usage_records_pull:
+        if settings.usage_records_url:
+            return "--usage-records-pull and --usage-records-url are two ways to deliver: give one"
+        if not (settings.usage_records_spool or settings.journal_path):
+            return "--usage-records-pull needs --usage-records-spool (or --journal-path, whose directory it uses)"
+        if settings.usage_records_spool_bytes < 4096:
+            return "--usage-records-spool-bytes must be at least 4096"
     if settings.usage_records_url:
         if not settings.usage_records_url.startswith(("http://", "https://")):
             return "--usage-records-url must be an http:// or https:// URL"

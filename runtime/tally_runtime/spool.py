@@ -26,6 +26,9 @@ SUFFIX = ".seg"
 CURSOR = "cursor"
 
 
+Line = tuple[tuple[int, int], bytes]  # (segment, offset) where it starts, and its bytes without the newline
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     segment: int
@@ -174,6 +177,77 @@ class Spool:
         self.inflight = None
         if batch.segment < self.head:
             self.on_lost(len(batch.lines))
+
+    # ---- collected (the operator reads from the cursor and acknowledges what it forwarded)
+
+    def position(self) -> tuple[int, int]:
+        return self.head, self.offset
+
+    def peek(self, max_records: int, max_bytes: int = 4 << 20) -> tuple[list[Line], tuple[int, int]]:
+        """Up to `max_records` whole lines from the cursor across segments, each with its position, and the
+        position after the last (nothing changes: reading again gives the same lines)."""
+        found: list[tuple[tuple[int, int], bytes]] = []
+        segment, offset, taken = self.head, self.offset, 0
+        end = (segment, offset)
+        for n in sorted(k for k in self.sizes if k >= self.head):
+            if len(found) >= max_records or taken >= max_bytes:
+                break
+            start = offset if n == self.head else 0
+            if start >= self.sizes[n]:
+                end = (n, start)
+                continue
+            with (self.directory / _name(n)).open("rb") as f:
+                f.seek(start)
+                chunk = f.read(min(self.sizes[n] - start, max_bytes - taken))
+            whole = chunk.rfind(b"\n") + 1
+            if whole == 0:
+                if n == self.tail:
+                    break  # a line being written: the next read has it
+                whole = len(chunk)  # the torn end of a segment no longer written: one bad line
+            body = chunk[:whole]
+            lines = body.split(b"\n")[:-1] if body.endswith(b"\n") else body.split(b"\n")
+            position = start
+            for line in lines:
+                if len(found) >= max_records:
+                    break
+                found.append(((n, position), line))
+                position += len(line) + 1
+            end = (n, min(position, self.sizes[n]))
+            taken += position - start
+            if position < self.sizes[n]:
+                break
+        return found, end
+
+    def acknowledge(self, segment: int, offset: int) -> int:
+        """Everything before (segment, offset) was forwarded: the cursor moves there (never back, never past what
+        is spooled; else ValueError). Returns the lines acknowledged."""
+        if (segment, offset) < (self.head, self.offset):
+            raise ValueError("that position was acknowledged already")
+        if segment not in self.sizes or offset > self.sizes[segment]:
+            raise ValueError("no such position in the spool")
+        count = 0
+        for n in sorted(k for k in self.sizes if self.head <= k <= segment):
+            start = self.offset if n == self.head else 0
+            stop = offset if n == segment else self.sizes[n]
+            count += self._lines_between(n, start, stop)
+            if n < segment:
+                self._delete(n)
+        self.head, self.offset = segment, offset
+        if self.offset >= self.sizes.get(self.head, 0) and self.head < self.tail:
+            self._delete(self.head)
+            self.head, self.offset = self.head + 1, 0
+        self._write_cursor()
+        self.pending = max(0, self.pending - count)
+        return count
+
+    def _lines_between(self, n: int, start: int, stop: int) -> int:
+        try:
+            with (self.directory / _name(n)).open("rb") as f:
+                f.seek(start)
+                data = f.read(max(0, stop - start))
+        except OSError:
+            return 0
+        return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
     def abandon(self) -> int:
         """The pod goes with these records undelivered (a drain that could not deliver them): counted lost."""

@@ -184,3 +184,34 @@ def test_a_request_held_past_its_time_gets_a_clear_503(operator: ChartOperator, 
 
     eventually(switched_off, 60, interval=1, what="the activator gone and the Service on the pods")
 
+
+
+def test_requests_held_at_zero_with_budgets_are_served_not_refused(operator: ChartOperator, kube: Kubectl) -> None:
+    """With budgets, a new pod refused everything until its first lease, which came a scrape round after it was
+    ready: all 8 held requests were answered 429. A pod is now Ready only once it holds its first lease, so the
+    Service turns to it then, and the held requests are served."""
+    manifest = at_zero()
+    manifest["spec"]["budgets"] = {"default": {"monthlyTokens": 1_000_000}}
+    kube.apply(manifest)
+    eventually(lambda: at_rest(kube), 180, interval=1, what="no pod, two ready activators, Service on them")
+    ip = kube.json("get", "service", "smollm")["spec"]["clusterIP"]
+    answers: list[str] = []
+    lock = threading.Lock()
+
+    def call(i: int) -> None:
+        with in_cluster(300) as http:
+            sdk = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", http_client=http, max_retries=0)
+            try:
+                reply = sdk.completions.create(model=MODEL, prompt=f"Item {i}:", max_tokens=8)
+                outcome = "ok" if reply.usage and reply.usage.completion_tokens else "empty"
+            except openai.APIStatusError as err:
+                outcome = f"{err.status_code} {err.message[:120]}"
+        with lock:
+            answers.append(outcome)
+
+    clients = [threading.Thread(target=call, args=(i,)) for i in range(STREAMS)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(timeout=300)
+    assert answers == ["ok"] * STREAMS, answers

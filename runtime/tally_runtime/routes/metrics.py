@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tally_runtime import contract, handoff
 from tally_runtime.budgets import StaleLease
+from tally_runtime.collect import parse_position
 from tally_runtime.protocol import ApiError
 from tally_runtime.respond import error_response, json_response, read_body
 from tally_runtime.serving import Server
@@ -128,3 +129,45 @@ async def budgets(request: Request) -> Response:
     except (orjson.JSONDecodeError, ValueError) as err:
         return error_response(ApiError(400, f"Not a lease message: {err}"))
     return json_response({"status": "applied", "seq": server.budgets.seq, "tenants": len(server.budgets.leases)})
+
+
+@router.get(contract.RECORDS_PATH)
+async def records(request: Request) -> Response:
+    """--usage-records-pull: the records from the last acknowledged position, for the operator to forward (the
+    same ones until it acknowledges them). Off the event loop's hot path: a read of the spool's files."""
+    collection = getattr(request.app.state, "collection", None)
+    if collection is None:
+        return error_response(ApiError(404, "Records are not kept for collection here (--usage-records-pull)",
+                                       code="not_found"))
+    try:
+        limit = int(request.query_params.get("max", "1000"))
+    except ValueError:
+        limit = 1000
+    server: Server = request.app.state.server
+    return json_response({"podUid": server.metrics.pod_uid, "epoch": server.metrics.totals.epoch,
+                          **collection.read(limit)})
+
+
+@router.post(contract.RECORDS_ACK_PATH)
+async def records_ack(request: Request) -> Response:
+    """The operator forwarded the records before `through`: the spool reclaims them. Signed like the final read."""
+    collection = getattr(request.app.state, "collection", None)
+    if collection is None:
+        return error_response(ApiError(404, "Records are not kept for collection here (--usage-records-pull)",
+                                       code="not_found"))
+    body = await read_body(request, MAX_ACK_BYTES)
+    key = request.app.state.final_read_key
+    if key is not None and not handoff.verify(key, body, request.headers.get(handoff.SIGNATURE_HEADER)):
+        return error_response(ApiError(403, "The acknowledgement is not signed by this pod's operator",
+                                       code="forbidden"))
+    server: Server = request.app.state.server
+    try:
+        message = orjson.loads(body)
+        if not isinstance(message, dict):
+            raise ValueError("expected a JSON object")
+        if key is not None and server.metrics.pod_uid and message.get("podUid") != server.metrics.pod_uid:
+            return error_response(ApiError(403, "The acknowledgement names another pod", code="forbidden"))
+        count = collection.acknowledge(parse_position(message.get("through")))
+    except (orjson.JSONDecodeError, ValueError) as err:
+        return error_response(ApiError(409, f"Not acknowledged: {err}", code="not_acknowledged"))
+    return json_response({"status": "acknowledged", "records": count, "pending": collection.pending})

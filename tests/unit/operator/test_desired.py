@@ -143,3 +143,29 @@ def test_a_delivering_pods_volume_is_sized_from_its_spool_and_the_platform_confi
         "spec"]["template"]["spec"]
     assert next(v for v in plain["volumes"] if v["name"] == "ledger")["emptyDir"]["sizeLimit"] == "16Mi"
     assert "TALLY_USAGE_RECORDS_CA" not in {e["name"] for e in plain["containers"][0]["env"]}
+
+
+def test_with_the_platforms_billing_system_the_pods_keep_their_records_for_the_operator() -> None:
+    """The platform's delivery: every pod keeps its records (CloudEvents with its own source) for the operator to
+    collect; no token, URL, CA or proxy of the billing system reaches a serving namespace. A service's own
+    delivery applies only where the platform allows it, and is refused where it does not."""
+    from tally_operator.policy import check_policy
+
+    platform = OperatorSettings(records_url="https://meter.example/api/v1/events", records_ca="PEM",
+                                allow_service_delivery=False)
+    plain = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}})
+    pod = desired_deployment(META, plain, platform)["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--usage-records-pull" in args and not any(a.startswith("--usage-records-url") for a in args)
+    assert "--usage-source=/namespaces/team-a/completionservices/llama/pods/$(POD_NAME)" in args
+    assert "TALLY_USAGE_RECORDS_CA" not in {e["name"] for e in pod["containers"][0]["env"]}
+    assert next(v for v in pod["volumes"] if v["name"] == "ledger")["emptyDir"]["sizeLimit"] == "82Mi"
+    own = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"},
+                      "usageRecords": {"delivery": {"url": "https://elsewhere.example/ingest"}}})
+    with pytest.raises(SpecError) as refused:
+        check_policy(own, platform)
+    assert refused.value.reason == "ForbiddenDelivery"
+    allowing = OperatorSettings(records_url="https://meter.example/api/v1/events", allow_service_delivery=True)
+    check_policy(own, allowing)
+    args = desired_deployment(META, own, allowing)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--usage-records-url" in args and "--usage-records-pull" not in args
