@@ -169,7 +169,7 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
                                                                ["budgets/status"]]
     assert "create" not in cluster_role["rules"][1]["verbs"] and "delete" not in cluster_role["rules"][1]["verbs"]
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"} == \
-        {"completionservices.serving.tally.dev"}  # cluster-scoped whatever the release watches
+        {"completionservices.serving.tally.dev", "budgets.serving.tally.dev"}  # cluster-scoped whatever it watches
     names = {o["metadata"]["name"] for o in objects
              if o["kind"] not in {"Service", "Secret", "ClusterRole", "CustomResourceDefinition"}}
     assert names == {"tally-team-a", "tally-team-a-reach"}  # the operator's reach policy beside the others
