@@ -103,6 +103,9 @@ def test_a_tenants_month_in_promql_is_exactly_what_its_clients_received(
         for target in panel["targets"]:
             expr = target["expr"].replace("$namespace", kube.namespace or "").replace("$__rate_interval", "1m") \
                 .replace("$service", ".*")
+            if panel.get("description", "").startswith("Empty "):  # an incident's panel: none here, but it parses
+                prom.query(expr)
+                continue
             assert eventually(lambda e=expr: prom.query(e), 60, interval=1, what=f"data for {panel['title']!r}")
     rules = prom.api("rules")["data"]["groups"]
     shipped = yaml.safe_load((MONITORING / "alerts.yaml").read_text())
