@@ -34,7 +34,7 @@ from tally_runtime.metrics import Metrics
 from tally_runtime.protocol import ApiError
 from tally_runtime.records import RecordSink
 from tally_runtime.respond import error_response
-from tally_runtime.routes import chat, completions, health, metrics, models
+from tally_runtime.routes import chat, completions, health, metrics, models, responses
 from tally_runtime.serving import Server
 from tally_runtime.settings import Settings
 from tally_runtime.units import COUNTS
@@ -112,9 +112,9 @@ def create_app(settings: Settings, engine: Engine, exit_now: Callable[[], None] 
                 journal.close()
 
     app = TallyApp(title="Tally runtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    for module in (completions, chat, models, health, metrics):
+    for module in (completions, chat, responses, models, health, metrics):
         app.include_router(module.router)
-    app.lanes = lanes(completions.router, chat.router)
+    app.lanes = lanes(completions.router, chat.router, responses.router)
     app.metrics_port = settings.metrics_port
     # Read now, so that a keys file that cannot be used stops the runtime before it serves anything.
     app.state.api_keys = ApiKeys(Path(settings.api_keys_file)) if settings.api_keys_file else None

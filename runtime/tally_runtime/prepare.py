@@ -56,6 +56,9 @@ class Endpoint:
     chunks: Callable[[ResponseHeader], CompletionChunks | ChatChunks]
     response: Response
     opens_with_role: bool
+    # A stream's events when they are not chunks (the Responses API's): (job, usage) -> a renderer with
+    # render.EventRenderer's add/take/finish/fail; None: EventRenderer
+    renderer: Callable[..., Any] | None = None
 
 
 COMPLETIONS = Endpoint("completions", "cmpl", CompletionChunks, completion_response, opens_with_role=False)

@@ -80,6 +80,14 @@ class EventRenderer:
         out, self.out = self.out, []
         return b"".join(out)
 
+    def finish(self, usage: dict[str, Any]) -> bytes:
+        """The end of a stream that completed: the usage chunk when asked for, then [DONE]."""
+        return (sse.event(self.chunks.usage(usage)) if self.job.include_usage else b"") + sse.DONE
+
+    def fail(self, message: str, code: int | str | None = 500) -> bytes:
+        """The end of a stream that failed after its first byte: the in-band error, then [DONE]."""
+        return sse.error_event(message, code=code) + sse.DONE
+
     def _dicts(self, index: int, delta: Delta) -> list[dict[str, Any]]:
         job = self.job
         events: list[dict[str, Any]] = []

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tally_runtime import contract, sse
+from tally_runtime import contract
 from tally_runtime.admission import Admission, QueueFull
 from tally_runtime.auth import Tenant
 from tally_runtime.budgets import QUOTA_CODE, Budgets, Reservation, reservation_tokens
@@ -389,7 +389,7 @@ class Run:
 
     async def stream(self) -> AsyncIterator[bytes]:
         job = self.job
-        render = EventRenderer(job, self.usage)
+        render = (job.endpoint.renderer or EventRenderer)(job, self.usage)
         try:
             # One write per batch: when the client lags, the deltas that piled up go out together,
             # each still its own `data:` event, in order.
@@ -400,20 +400,16 @@ class Run:
                     yield events
                 if failure is not None:
                     raise failure
-            if job.include_usage:
-                yield sse.event(render.chunks.usage(request_usage(self.usage).as_openai()))
             self.outcome = contract.OUTCOME_OK
-            yield sse.DONE
+            yield render.finish(request_usage(self.usage).as_openai())
         except EngineError as err:
             self.outcome = contract.OUTCOME_ERROR
             log.warning("Generation %s failed mid-stream: %s", job.header.id, err.message)
-            yield sse.error_event(err.message, code=err.status_code)
-            yield sse.DONE
+            yield render.fail(err.message, code=err.status_code)
         except Exception:
             self.outcome = contract.OUTCOME_ERROR
             log.exception("Generation %s failed mid-stream", job.header.id)
-            yield sse.error_event("Internal error while generating")
-            yield sse.DONE
+            yield render.fail("Internal error while generating")
         finally:
             await self.close()
 

@@ -87,14 +87,15 @@ def test_the_metrics_port_refuses_a_lanes_path() -> None:
     assert seen == ["app"]
 
 
-def test_the_runtime_takes_both_completion_routes_in_its_lane() -> None:
+def test_the_runtime_takes_every_generation_route_in_its_lane() -> None:
     """Without this a lane that lost a path would still answer (through FastAPI), only slower."""
     from tally_runtime.app import create_app
     from tally_runtime.engine.base import Engine
-    from tally_runtime.routes import chat, completions
+    from tally_runtime.routes import chat, completions, responses
     from tally_runtime.settings import Settings
 
     app = create_app(Settings(), cast(Engine, None))  # the engine is first used by the lifespan, not run here
     assert isinstance(app, TallyApp)
     assert dict(app.lanes) == {"/v1/completions": completions.create_completion,
-                               "/v1/chat/completions": chat.create_chat_completion}
+                               "/v1/chat/completions": chat.create_chat_completion,
+                               "/v1/responses": responses.create_response}

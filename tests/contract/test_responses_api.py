@@ -1,0 +1,186 @@
+"""The Responses API (`POST /v1/responses`) on the embedded CPU model, as the `openai` SDK drives it:
+`responses.create`, `responses.stream()` (text and function calls), `responses.parse()` with a pydantic model,
+a function-call round trip with `function_call_output`, and the refusals (stateful parameters, unsupported
+items, a context overrun), each a 400 naming its parameter with nothing billed. Usage is the engine's count,
+as for chat: what the clients were told sums to the usage records and to /metrics, exactly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from runtime_harness import metric_value, runtime_process, until
+
+PARSES = 20
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                          "required": ["city"], "additionalProperties": False}, "strict": True}
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    population: int
+    coastal: bool
+    continent: Literal["Africa", "Asia", "Europe", "America", "Oceania"]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("records") / "records.jsonl"
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("responses") / "rt.log"
+    with runtime_process(log, "--max-concurrent-generations", "2", "--usage-records-file", str(records)) as (_, base):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+class Books:
+    """What the clients were told, response by response."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.input = self.output = 0
+
+    def add(self, response: Any) -> None:
+        usage = response.usage
+        assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+        assert usage.input_tokens > 0 and usage.output_tokens_details.reasoning_tokens == 0
+        self.ids.append(response.id)
+        self.input += usage.input_tokens
+        self.output += usage.output_tokens
+
+
+def counted(url: str) -> tuple[float, float, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return (metric_value(text, "tally_requests_total", {"outcome": "ok", "endpoint": "responses"}),
+            metric_value(text, "tally_prompt_tokens_total"), metric_value(text, "tally_completion_tokens_total"))
+
+
+def recorded(records: Path, ids: list[str]) -> list[Any]:
+    """(records, endpoints, prompt tokens, completion tokens) of these responses in the usage records."""
+    def written() -> dict[str, Any]:
+        by_id = {r["id"]: r for r in map(json.loads, records.read_text().splitlines())}
+        return by_id if all(i in by_id for i in ids) else {}
+
+    assert until(written, 30), "a response's usage record was not written"
+    mine = [written()[i] for i in ids]
+    return [len(mine), {r["endpoint"] for r in mine}, sum(r["prompt_tokens"] for r in mine),
+            sum(r["completion_tokens"] for r in mine)]
+
+
+def test_responses_create_stream_parse_and_calls_are_billed_exactly_as_clients_were_told(
+        url: str, client: openai.OpenAI, model: str, records: Path) -> None:
+    before = counted(url)
+    books = Books()
+
+    text = client.responses.create(model=model, input="Say hello.", instructions="Answer briefly.",
+                                   max_output_tokens=12, metadata={"ticket": "T-1"}, temperature=0)
+    books.add(text)
+    assert text.object == "response" and text.id.startswith("resp_") and text.store is False
+    assert text.status in ("completed", "incomplete") and text.output_text
+    assert text.metadata == {"ticket": "T-1"} and text.max_output_tokens == 12
+
+    cut = client.responses.create(model=model, input="Count from one to one hundred.", max_output_tokens=3)
+    books.add(cut)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens" and cut.usage.output_tokens == 3
+
+    with client.responses.stream(model=model, input=[{"role": "user", "content": "Name a colour."}],
+                                 max_output_tokens=8) as stream:
+        events = list(stream)
+    streamed = events[-1].response  # response.completed, or response.incomplete when cut at 8 tokens
+    books.add(streamed)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{streamed.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == streamed.output_text and streamed.usage.output_tokens > 0
+
+    parsed = 0
+    for i in range(PARSES):
+        reply = client.responses.parse(model=model, input=f"Describe city number {i} as JSON.", text_format=City,
+                                       max_output_tokens=120, temperature=0.7)
+        books.add(reply)
+        parsed += isinstance(reply.output_parsed, City)
+    assert parsed == PARSES
+
+    called = client.responses.create(model=model, input="What is the weather in Paris?", tools=[WEATHER],
+                                     tool_choice={"type": "function", "name": "get_weather"},
+                                     max_output_tokens=40)
+    books.add(called)
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    # the round trip: the call and its output go back as items, the model answers in text
+    answer = client.responses.create(model=model, max_output_tokens=16, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+    ])
+    books.add(answer)
+    assert answer.output[0].type == "message" and answer.output_text
+
+    with client.responses.stream(model=model, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+                                 max_output_tokens=80) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    books.add(final)
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert [item.arguments for item in final.output if item.type == "function_call"] == [done.arguments]
+
+    after = counted(url)
+    assert after[0] - before[0] == len(books.ids)
+    assert (after[1] - before[1], after[2] - before[2]) == (books.input, books.output)
+    assert recorded(records, books.ids) == [len(books.ids), {"responses"}, books.input, books.output]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "hi", "store": True}, "store"),
+    ({"input": "hi", "previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+    ({"input": "hi", "tools": [WEATHER]}, "tool_choice"),  # auto needs a parser the CPU engine does not have
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "max_output_tokens": 10**7}, "input"),  # context_length_exceeded, as chat names messages
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+     "text.format"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_parameter_and_bills_nothing(
+        url: str, model: str, body: dict[str, Any], param: str) -> None:
+    before = counted(url)
+    reply = httpx.post(f"{url}/v1/responses", json={"model": model, **body}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.json()
+    assert counted(url) == before
+
+
+def test_a_stored_response_is_never_found(url: str) -> None:
+    for method in ("GET", "DELETE"):
+        reply = httpx.request(method, f"{url}/v1/responses/resp_abc", timeout=10)
+        assert reply.status_code == 404 and "stores no responses" in reply.json()["error"]["message"]

@@ -1,0 +1,129 @@
+"""The Responses API's translation (pure): items to chat messages, refusals in its own parameter names, the
+engine's usage in its names, and a stream's events in the order and numbering the SDK reads."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tally_runtime.engine.base import Delta, FinishReason
+from tally_runtime.prepare import CHAT, Job
+from tally_runtime.protocol import ApiError
+from tally_runtime.responses_api import ResponsesRequest, header, messages, renamed, to_chat, usage_of
+from tally_runtime.responses_render import ResponsesRenderer
+from tally_runtime.streaming import ResponseHeader
+from tally_runtime.tools import ToolPlan
+
+
+def request(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"input": "hi", **fields})
+
+
+def test_items_become_messages_with_calls_joined_to_the_assistant_turn_before_them() -> None:
+    req = request(instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c3", "name": "get", "arguments": "{}"},
+    ])
+    out = messages(req)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "tool", "assistant"]
+    assert out[1]["content"] == "Weather ?" and out[2]["content"] == "Looking."
+    assert [c["id"] for c in out[2]["tool_calls"]] == ["c1", "c2"] and out[3]["tool_call_id"] == "c1"
+    assert out[4] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}
+    chat = to_chat(req)
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "assistant"]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"input": [{"type": "function_call", "call_id": "bad id", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+])
+def test_refusals_name_the_responses_parameter(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        to_chat(request(**fields))
+    assert (refused.value.status, refused.value.param) == (400, param)
+
+
+def test_a_chat_refusal_is_renamed_into_the_responses_api() -> None:
+    error = renamed(ApiError(400, "Please reduce the prompt or max_tokens.", param="max_tokens"))
+    assert (error.param, error.message) == ("max_output_tokens", "Please reduce the prompt or max_output_tokens.")
+    assert renamed(ApiError(400, "x", param="messages.3.content")).param == "input"
+    assert renamed(ApiError(400, "x", param="response_format")).param == "text.format"
+
+
+def test_usage_is_the_engines_count_in_the_responses_names() -> None:
+    chat = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+            "prompt_tokens_details": {"cached_tokens": 3}}
+    assert usage_of(chat) == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 3}, "output_tokens": 5,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}
+
+
+def job(req: ResponsesRequest, tools: ToolPlan | None = None) -> Job:
+    from tally_runtime.engine.base import SamplingParams
+
+    head = header(req, ResponseHeader("chatcmpl-abc", 1, "m"))
+    return Job(CHAT, head, ((1, 2),), ("",), 1, SamplingParams(max_tokens=8), False, True, False, False, tools=tools)
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            name, data = block.split("\n")
+            payload = json.loads(data.removeprefix("data: "))
+            assert name == f"event: {payload['type']}"
+            out.append(payload)
+    return out
+
+
+def test_a_text_stream_opens_deltas_closes_and_completes_with_usage_numbered_in_order() -> None:
+    render = ResponsesRenderer(job(request()), [])
+    render.add(0, Delta(text="Hel", token_ids=(1,)))
+    render.add(0, Delta(text="lo", token_ids=(2,), finish_reason=FinishReason.STOP))
+    out = events(render.take() + render.finish({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}))
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    done = out[-1]["response"]
+    assert done["id"] == "resp_abc" and done["store"] is False and done["usage"]["output_tokens"] == 2
+    assert done["output"][0]["content"][0]["text"] == "Hello" == out[6]["text"]
+
+
+def test_a_stream_cut_at_its_limit_is_incomplete_and_a_failure_is_an_error_then_failed() -> None:
+    render = ResponsesRenderer(job(request()), [])
+    render.add(0, Delta(text="a", token_ids=(1,), finish_reason=FinishReason.LENGTH))
+    cut = events(render.take() + render.finish({"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}))
+    assert cut[-1]["type"] == "response.incomplete"
+    assert cut[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    render = ResponsesRenderer(job(request()), [])
+    render.add(0, Delta(text="a", token_ids=(1,)))
+    failed = events(render.take() + render.fail("The engine aborted the generation", 500))
+    assert [e["type"] for e in failed[-2:]] == ["error", "response.failed"]
+
+
+def test_a_function_call_stream_sends_its_arguments_once_whole() -> None:
+    plan = ToolPlan('{"type": "object"}', named="get_weather")
+    render = ResponsesRenderer(job(request(), plan), [])
+    render.add(0, Delta(text='{"city": ', token_ids=(1,)))
+    assert [e["type"] for e in events(render.take())] == ["response.created", "response.in_progress"]
+    render.add(0, Delta(text='"Rome"}', token_ids=(2,), finish_reason=FinishReason.STOP))
+    out = events(render.take())
+    assert [e["type"] for e in out] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done"]
+    assert out[0]["item"]["arguments"] == "" and out[-1]["item"]["arguments"] == '{"city": "Rome"}'
+    assert out[0]["sequence_number"] == 2
