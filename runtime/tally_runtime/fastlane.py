@@ -1,10 +1,10 @@
-"""The completion routes, served without FastAPI's per-request machinery.
+"""The generation routes (completions, chat, responses), served without FastAPI's per-request machinery.
 
 A short streaming request spent about a third of the server's CPU in FastAPI and Starlette before and
 around Tally's own code: five middlewares, the router's matching, dependency solving (which parses the
-query string the routes never read) and an exit stack (benchmarks/README.md, the burst profile). The two
-completion routes need none of it: each takes a `Request` and answers every error itself (respond.py). So
-`TallyApp` hands a POST to either path straight to its handler and everything else (other paths and
+query string the routes never read) and an exit stack (benchmarks/README.md, the burst profile). The
+generation routes need none of it: each takes a `Request` and answers every error itself (respond.py). So
+`TallyApp` hands a POST to any of these paths straight to its handler and everything else (other paths and
 methods, the lifespan, any path on the metrics port) to FastAPI as before.
 """
 

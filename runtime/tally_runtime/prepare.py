@@ -133,6 +133,8 @@ class Preparer:
             raise ApiError(400, f"{len(req.messages)} messages cannot fit the model's context of "
                                 f"{self.info.context_length} tokens", param="messages", code="context_length_exceeded")
         messages = [message_dict(m) for m in req.messages]
+        if tools is not None and tools.instructions is not None:  # the generic format: the model is shown it
+            messages = with_system(messages, tools.instructions)
         shown = [t.model_dump(exclude_none=True) for t in req.tools] if tools is not None and req.tools else None
         markup = markup_texts(req, shown)
         size = sum(len(m["content"]) for m in messages) + sum(len(text) for _, text in markup)
@@ -291,6 +293,13 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` as the system message: after the client's own system message if there is one, else first."""
+    if messages and messages[0]["role"] in ("system", "developer") and messages[0]["content"]:
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def markup_texts(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[tuple[str, str]]:

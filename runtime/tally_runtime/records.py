@@ -32,7 +32,7 @@ class UsageRecord:
     id: str  # the response id clients see (cmpl-…, chatcmpl-…), or req-… for a request refused before one
     time: float  # unix seconds when the request ended
     model: str
-    endpoint: str  # completions | chat
+    endpoint: str  # completions | chat | responses
     tenant: str
     tenant_source: str  # key | header | user | none: what named the tenant (auth.py)
     outcome: str  # ok | aborted | error | invalid | overloaded | over_budget | rate_limited (tally_requests_total's)

@@ -4,10 +4,14 @@ With `tool_choice: "required"` or a named function, the output is constrained by
 (the same path as `response_format`, prepare.py) so the call always parses: for a named function, to that
 function's `parameters` (the output is its arguments, as vLLM does); for `required`, to a JSON array of
 `{"name", "parameters"}` objects, one function name each (at most one unless `parallel_tool_calls`). The
-constrained output is then turned into OpenAI's `tool_calls`; this is not a parser of free text, and
+constrained output is then turned into OpenAI's `tool_calls`; this is not a parser of free text.
+
 With `tool_choice: "auto"` (the default with tools) the model writes calls in its own family's format
-among free text: only the engine's own parser for that family reads them (SGLang's `FunctionCallParser`,
-chosen with `--tool-call-parser` in `spec.engine.args`); an engine without one refuses `auto` with a 400.
+among free text, read by the engine's own parser for that family (SGLang's `FunctionCallParser`, chosen
+with `--tool-call-parser` in `spec.engine.args`). An engine without one (the CPU engine, SGLang without the
+flag) uses the generic format llama.cpp's server uses for models without a native one: the output is
+constrained to `{"tool_calls": [{"name", "arguments"}, ...]}` or `{"response": "<text>"}`, and a system
+message (`generic_instructions`) shows the model the tools and the two shapes. Either way it parses.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ Parser = Callable[[str], tuple[str, list[tuple[str, str]]]]
 class ToolPlan:
     schema: str | None  # the JSON schema the output is constrained to (None: free, read by `parse`)
     named: str | None = None  # the function tool_choice names: the output is its arguments
-    parse: Parser | None = None  # tool_choice auto: the engine's parser
+    parse: Parser | None = None  # tool_choice auto: the engine's parser, or the generic format's
+    instructions: str | None = None  # the generic format: the system message that shows the tools and shapes
 
 
 def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] = lambda: None) -> ToolPlan | None:
@@ -52,10 +57,7 @@ def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] =
     if choice is None or choice == "auto":
         parse = parser()
         if parse is None:
-            raise ApiError(400, "tool_choice \"auto\" (the default when tools are given) needs the engine's parser "
-                                "for the model's tool-call format, and this server runs none (SGLang: "
-                                "--tool-call-parser in spec.engine.args): use \"required\", name a function, or "
-                                "\"none\"", param="tool_choice")
+            return generic_plan(req, parameters)
         return ToolPlan(None, parse=parse)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -72,13 +74,53 @@ def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] =
     return ToolPlan(_bounded(array))
 
 
+def generic_plan(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]]) -> ToolPlan:
+    """`auto` without the engine's parser: the output is either calls or a response, as JSON the grammar
+    guarantees (llama.cpp's generic format)."""
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                        "arguments": schema},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for name, schema in parameters.items()]}
+    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    if not req.parallel_tool_calls:
+        calls["maxItems"] = 1
+    schema = {"anyOf": [
+        {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+         "additionalProperties": False}]}
+    return ToolPlan(_bounded(schema), parse=_generic_parse, instructions=generic_instructions(req))
+
+
+def generic_instructions(req: ChatCompletionRequest) -> str:
+    """What the model is told of the tools and the two shapes it may answer in."""
+    shown = [{"name": t.function.name, "description": t.function.description or "",
+              "parameters": t.function.parameters or EMPTY_PARAMETERS} for t in req.tools or ()]
+    return ("You can call these tools:\n" + json.dumps(shown, ensure_ascii=False) + "\n\nRespond in JSON: either "
+            '{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}]} to call tools, or '
+            '{"response": <your reply>} to reply to the user.')
+
+
+def _generic_parse(text: str) -> tuple[str, list[tuple[str, str]]]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, []  # cut off before it parsed (a limit): the text as it is
+    if isinstance(value, dict) and isinstance(value.get("response"), str):
+        return value["response"], []
+    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+        return "", [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value["tool_calls"]
+                    if isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c]
+    return text, []
+
+
 def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
     """The content and OpenAI's `tool_calls` of an output (no calls: the text is all content; a constrained
     output that does not parse, as when cut off by a limit, is content too)."""
     if plan.parse is not None:
         normal, found = plan.parse(text)
         if not found:
-            return text, None
+            return (normal if plan.instructions is not None else text), None  # generic: its response's text
         return normal or None, [_call(name, arguments) for name, arguments in found]
     calls = _constrained(plan, text)
     return (None, calls) if calls else (text, None)

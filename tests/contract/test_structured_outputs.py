@@ -1,7 +1,8 @@
 """Structured outputs and tool calls on the embedded CPU model, as the `openai` SDK asks for them:
 `response_format` with a pydantic model (json_schema, strict) and `json_object`, and tool calls with
 `tool_choice` `required` or a named function, all constrained by llama.cpp's own grammar, never checked after
-the fact. What the engine cannot do (a schema it cannot compile, `tool_choice: auto`, other servers'
+the fact; `tool_choice: auto` (the default with tools) in the generic format, calls or a response, constrained
+the same way. What the engine cannot do (a schema it cannot compile, other servers'
 constraint fields, client text that spells a control token) is a 400 naming the parameter, with nothing
 billed. Usage stays the engine's count: what the clients were told sums to what /metrics counted."""
 
@@ -112,9 +113,6 @@ def test_json_object_on_both_endpoints_is_an_object(url: str) -> None:
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-     "tool_choice"),  # auto, the default with tools: needs the engine's parser, not wired yet
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
@@ -210,3 +208,39 @@ def test_tools_with_tool_choice_none_are_answered_with_text(url: str) -> None:
         model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=8, tool_choice="none",
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+
+
+def test_tool_choice_auto_answers_in_the_generic_format_calls_or_text_and_every_one_parses(
+        url: str, records: Path) -> None:
+    """The CPU engine has no parser of a model family's calls: `auto` is the generic format (llama.cpp's), the
+    output constrained to calls or a response. Each reply is either calls whose arguments validate or plain
+    text (never the JSON wrapper), streamed or not, and the books are the engine's counts."""
+    before = counted(url)
+    told, ids, kinds = [0, 0, 0], [], set()
+    asks = [ASK, [{"role": "user", "content": "Say hello to me."}]]
+    for i in range(8):
+        kwargs: Any = {"model": "smollm2-135m-instruct", "messages": asks[i % 2], "tools": TOOLS,
+                       "max_tokens": 120, "temperature": 0.8, "parallel_tool_calls": False}
+        if i % 4 < 2:
+            reply = client(url).chat.completions.parse(**kwargs)
+        else:
+            with client(url).chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as stream:
+                for _ in stream:
+                    pass
+                reply = stream.get_final_completion()
+        choice_ = reply.choices[0]
+        if choice_.finish_reason == "tool_calls":
+            kinds.add("calls")
+            for call in choice_.message.tool_calls or []:
+                model = {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name]
+                model.model_validate_json(call.function.arguments)
+        else:
+            kinds.add("text")
+            assert choice_.finish_reason in ("stop", "length") and choice_.message.content is not None
+            if choice_.finish_reason == "stop":
+                assert not choice_.message.content.lstrip().startswith('{"response"'), choice_.message.content
+        assert reply.usage is not None
+        told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+        ids.append(reply.id)
+    assert kinds  # what it chose is the model's; that it parsed is the point
+    assert [a - b for a, b in zip(counted(url), before, strict=True)] == told == recorded(records, ids)

@@ -327,12 +327,18 @@ def test_tool_choice_auto_reads_calls_with_sglangs_own_parser_for_the_model_fami
     assert tool_calls(ToolPlan(None, parse=parse), "Just text.") == ("Just text.", None)
 
 
-def test_tool_choice_auto_without_a_parser_is_a_400_naming_it(sglang_url: str) -> None:
-    reply = httpx.post(f"{sglang_url}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-        "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
-    assert "--tool-call-parser" in reply.json()["error"]["message"]
+def test_tool_choice_auto_without_a_parser_answers_in_the_generic_format(sglang_url: str) -> None:
+    """No --tool-call-parser: `auto` is constrained by xgrammar to calls or a response, so it always parses."""
+    client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=200, temperature=0.8, parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[openai.pydantic_function_tool(GetWeather)])
+    choice = reply.choices[0]
+    if choice.finish_reason == "tool_calls":
+        GetWeather.model_validate_json((choice.message.tool_calls or [])[0].function.arguments)
+    else:
+        assert choice.message.content is not None and not choice.message.content.startswith('{"response"')
 
 
 def test_the_pickers_gauges_are_sglangs_own_plus_tallys_queue(tmp_path: Any) -> None:
@@ -386,3 +392,39 @@ def test_the_pickers_gauges_are_sglangs_own_plus_tallys_queue(tmp_path: Any) -> 
         assert until(lambda: gauges()["sglang:num_running_reqs"][2] == 0, 120, interval=0.2), gauges()
     finally:
         stop(proc)
+
+
+def test_the_responses_api_on_sglangs_engine_creates_streams_and_parses_billed_as_counted(sglang_url: str) -> None:
+    """`/v1/responses` through the same core on the real engine: a text response, a stream whose deltas join
+    to its final text, `responses.parse()` constrained by xgrammar (each valid), a named function call; what
+    the clients were told sums to what /metrics counted."""
+    client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused", max_retries=0)
+    model = "smollm2-135m-instruct"
+
+    def counted() -> list[float]:
+        text = httpx.get(f"{sglang_url}/metrics").text
+        return [metric_value(text, "tally_requests_total", {"outcome": "ok", "endpoint": "responses"}),
+                metric_value(text, "tally_prompt_tokens_total"), metric_value(text, "tally_completion_tokens_total")]
+
+    before = counted()
+    replies: list[Any] = [client.responses.create(model=model, input=PROMPT, max_output_tokens=8)]
+    assert replies[0].output_text and replies[0].status in ("completed", "incomplete")
+    with client.responses.stream(model=model, input=[{"role": "user", "content": "Name a colour."}],
+                                 max_output_tokens=8) as stream:
+        events = list(stream)
+    replies.append(events[-1].response)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == replies[-1].output_text
+    for _ in range(4):
+        parsed = client.responses.parse(model=model, input="Describe a large city as JSON.", text_format=City,
+                                        max_output_tokens=400, temperature=0.8)
+        assert isinstance(parsed.output_parsed, City)
+        replies.append(parsed)
+    weather = {"type": "function", "name": "GetWeather", "parameters": GetWeather.model_json_schema()}
+    called = client.responses.create(model=model, input="What is the weather in Paris?", tools=[weather],
+                                     tool_choice={"type": "function", "name": "GetWeather"}, max_output_tokens=400)
+    replies.append(called)
+    call = next(item for item in called.output if item.type == "function_call")
+    GetWeather.model_validate_json(call.arguments)
+    told = [len(replies), sum(r.usage.input_tokens for r in replies), sum(r.usage.output_tokens for r in replies)]
+    assert [a - b for a, b in zip(counted(), before, strict=True)] == told
