@@ -5,9 +5,11 @@ real-SGLang tests (hack/sglang/env.sh, SGLANG_CONTRACT.md §9):
   sglang  `python -m sglang.launch_server`: what a user would run instead of Tally
   tally   `python -m tally_runtime serve --engine sglang`: Tally's front end over the same engine, in-process
 One is up at a time (SGLang's scheduler polls while idle); they take turns, round by round. Streaming
-`/v1/completions` and `/v1/chat/completions` at each concurrency and output length; every request asks for
-`ignore_eos` and usage in the stream, so a stream that finishes by `length` received exactly `max_tokens` tokens
-(what the usage it reports must say).
+`/v1/completions`, `/v1/chat/completions` and `/v1/responses` at each concurrency and output length; every
+request asks for `ignore_eos` and usage in the stream, so a stream that finishes by `length` (for responses:
+`response.incomplete`, cut at `max_output_tokens`) received exactly `max_tokens` tokens (what the usage it
+reports must say). SGLang's own `/v1/responses` has no `ignore_eos`: a story prompt at temperature 0 runs to
+the limit in practice, and a response that ends sooner counts as not completed.
 
 Reported per server and cell: tokens/s and requests/s delivered, time to first token p50/p99, the gap between
 events p99 at the client, CPU of the front process (the one that serves HTTP; the engine's scheduler and
@@ -50,7 +52,8 @@ from relay import cpu_seconds, free_port, percentile, raise_open_files  # noqa: 
 from tally_runtime.contract import COMPLETION_TOKENS  # noqa: E402
 
 SERVED = "m"
-ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
@@ -120,6 +123,9 @@ class Stream:
 
 
 def body(route: str, tokens: int) -> bytes:
+    if route == "responses":  # usage comes in response.completed (or .incomplete, when cut at the limit)
+        return json.dumps({"model": SERVED, "input": PROMPT, "max_output_tokens": tokens, "stream": True,
+                           "temperature": 0, "ignore_eos": True}).encode()  # SGLang's own ignores ignore_eos
     request: dict[str, Any] = {"model": SERVED, "max_tokens": tokens, "stream": True, "ignore_eos": True,
                                "temperature": 0, "stream_options": {"include_usage": True}}
     if route == "chat":
@@ -161,6 +167,16 @@ async def one(port: int, route: str, tokens: int, leave_after: int = 0) -> Strea
                     done = True
                     continue
                 event = json.loads(match.group(1))
+                if route == "responses":
+                    piece, done = _responses_event(event, seen), done or event.get("type") in TERMINAL
+                    if piece:
+                        texts += 1
+                        if not seen.first_token_s:
+                            seen.first_token_s = now - sent
+                        elif last:
+                            seen.gaps.append(now - last)
+                        last = now
+                    continue
                 if event.get("usage"):
                     seen.usage = event["usage"]
                 if "error" in event:
@@ -180,6 +196,24 @@ async def one(port: int, route: str, tokens: int, leave_after: int = 0) -> Strea
     finally:
         writer.close()
     return seen
+
+
+def _responses_event(event: dict[str, Any], seen: Stream) -> str:
+    """A Responses API event: its text delta, if any; the usage and the finish from the last one."""
+    kind = event.get("type")
+    if kind == "response.output_text.delta":
+        return str(event.get("delta") or "")
+    if kind in TERMINAL:
+        response = event.get("response") or {}
+        usage = response.get("usage") or {}
+        seen.usage = {"completion_tokens": usage.get("output_tokens", 0)}
+        cut = (response.get("incomplete_details") or {}).get("reason") == "max_output_tokens"
+        seen.finish = "length" if cut else ("stop" if kind == "response.completed" else None)
+        if kind == "response.failed":
+            seen.error = str(response.get("error"))
+    elif kind == "error":
+        seen.error = str(event.get("message"))
+    return ""
 
 
 async def cell(port: int, pids: list[int], route: str, concurrency: int, tokens: int, requests: int) -> dict[str, Any]:

@@ -36,6 +36,8 @@ STATEFUL = {
                     "conversation's items in input",
     "prompt": "prompt templates are not supported by this server: send the text in instructions and input",
 }
+EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty",
+              "seed", "stop")
 # A chat parameter's name in the Responses API, for the refusals the shared preparation raises
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
           "response_format": "text.format"}
@@ -94,6 +96,15 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
+    # Sampling extensions chat accepts (benchmark clients send them), passed on as they are
+    ignore_eos: Any = None
+    min_tokens: Any = None
+    top_k: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    seed: Any = None
+    stop: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +123,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     }
     if req.model is not None:
         body["model"] = req.model
+    for name in EXTENSIONS:
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
     user = req.user or req.safety_identifier

@@ -127,3 +127,11 @@ def test_a_function_call_stream_sends_its_arguments_once_whole() -> None:
                                         "response.function_call_arguments.done", "response.output_item.done"]
     assert out[0]["item"]["arguments"] == "" and out[-1]["item"]["arguments"] == '{"city": "Rome"}'
     assert out[0]["sequence_number"] == 2
+
+
+def test_chats_sampling_extensions_pass_through_and_are_validated_as_chat_validates_them() -> None:
+    chat = to_chat(request(ignore_eos=True, top_k=5, stop=["\n"]))
+    assert (chat.ignore_eos, chat.top_k, chat.stop) == (True, 5, ["\n"])
+    with pytest.raises(ApiError) as refused:
+        to_chat(request(top_k=0))
+    assert refused.value.param == "top_k"
