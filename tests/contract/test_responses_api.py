@@ -225,3 +225,31 @@ def test_a_stored_response_is_never_found(url: str) -> None:
     for method in ("GET", "DELETE"):
         reply = httpx.request(method, f"{url}/v1/responses/resp_abc", timeout=10)
         assert reply.status_code == 404 and "stores no responses" in reply.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_is_billed_what_the_engine_generated(url: str, model: str,
+                                                                              records: Path) -> None:
+    """The stream is closed after its first text delta: the generation is aborted in the engine, and what it
+    generated is what the record and /metrics say, the same count."""
+    before = httpx.get(f"{url}/metrics").text
+    with httpx.stream("POST", f"{url}/v1/responses", timeout=60, json={
+            "model": model, "input": "Write a long story about the sea.", "max_output_tokens": 200,
+            "ignore_eos": True, "stream": True}) as reply:
+        assert reply.status_code == 200
+        response_id = ""
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                response_id = response_id or event["response"]["id"]
+                if event["type"] == "response.output_text.delta":
+                    break  # the client leaves
+
+    def record() -> dict[str, Any] | None:
+        return next((r for r in map(json.loads, records.read_text().splitlines()) if r["id"] == response_id), None)
+
+    assert until(lambda: record() is not None, 30), "the aborted response was not recorded"
+    billed = record()
+    assert billed is not None and billed["outcome"] == "aborted" and 1 <= billed["completion_tokens"] < 200
+    after = httpx.get(f"{url}/metrics").text
+    name = "tally_completion_tokens_total"
+    assert metric_value(after, name) - metric_value(before, name) == billed["completion_tokens"]
