@@ -217,3 +217,25 @@ def test_a_tenant_this_replica_cannot_count_apart_is_refused_never_billed_to_oth
         assert "cannot be tracked" in refused.json()["error"]["message"]
         unlisted = call(url, "someone-else", PROMPT)  # no budget of its own (starter: none), still uncountable
         assert unlisted.status_code == 429 and unlisted.json()["error"]["code"] == "insufficient_quota"
+
+
+def test_a_responses_request_reserves_its_max_output_tokens_against_the_tenants_budget(tmp_path: Path) -> None:
+    """/v1/responses goes through the same budgets as chat: its worst case (input + max_output_tokens) is
+    reserved; one that fits what the tenant has left is served and settles to the engine's count, one that
+    does not is the 429 `insufficient_quota` before anything is generated."""
+    operator = Ed25519PrivateKey.generate()
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator)) as (_, url), \
+            httpx.Client(base_url=url, timeout=120) as http:
+        assert post_leases(http, operator, {"acme": {"allowance": 300, "unspent": 300}}).status_code == 200
+        body = {"input": "Say something:", "max_output_tokens": 8, "ignore_eos": True}
+        served = http.post("/v1/responses", json=body, headers={"X-Tally-Tenant": "acme"})
+        assert served.status_code == 200, served.text
+        spent = served.json()["usage"]["total_tokens"]
+        too_much = http.post("/v1/responses", json={**body, "max_output_tokens": 300},
+                             headers={"X-Tally-Tenant": "acme"})
+        assert too_much.status_code == 429 and too_much.json()["error"]["code"] == "insufficient_quota"
+        metrics = http.get("/metrics").text
+        booked = sum(metric_value(metrics, f"tally_tenant_{f}_total", {"tenant": "acme"})
+                     for f in ("prompt_tokens", "completion_tokens"))
+        assert booked == spent and metric_value(metrics, "tally_budget_remaining_tokens", {"tenant": "acme"}) == \
+            300 - spent
