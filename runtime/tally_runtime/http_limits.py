@@ -130,13 +130,15 @@ class Connections:
         yet says `connection: close` and closes its connection. A response already under way (a stream) is
         left alone: closing its connection right after it would race the client's next request on it (a
         reset); that request instead gets the drain's 503 with `connection: close`, which a client retries on
-        a new connection."""
+        a new connection. A connection that has not had a request yet is left alone too: its first request
+        may be on its way (closing it reset the operator's poll of /metrics at the start of a drain); its
+        response closes it, and the head timeout bounds one that never sends."""
         self.closing = True
         for protocol in [p for port in self.open.values() for p in port]:
             cycle = protocol.cycle
-            if cycle is None or cycle.response_complete:
+            if cycle is not None and cycle.response_complete:
                 protocol.transport.close()
-            elif not cycle.response_started:
+            elif cycle is not None and not cycle.response_started:
                 cycle.keep_alive = False
 
 

@@ -219,6 +219,7 @@ def test_a_drain_closes_idle_pooled_connections_and_every_later_response_closes_
     after 3 tries with no new connection: a Service balances per connection, so a client has to be moved."""
     with runtime_process(tmp_path / "rt.log", "--max-concurrent-generations", "2",
                          "--drain-seconds", "60") as (proc, url):
+        fresh = connect(url)  # accepted before the next one is answered, so before the drain: no request yet
         idle = connect(url)
         idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         first = b""
@@ -234,6 +235,9 @@ def test_a_drain_closes_idle_pooled_connections_and_every_later_response_closes_
         assert streaming.recv(65536).startswith(b"HTTP/1.1 200")  # in flight when the signal comes
         proc.send_signal(signal.SIGTERM)
         assert read_all(idle, 10) == b""  # the idle keep-alive connection is closed by the server
+        fresh.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # its first request: answered, then closed
+        answer = read_all(fresh, 10)
+        assert answer.startswith(b"HTTP/1.1 ") and b"connection: close" in answer.lower(), answer[:200]
         late = connect(url)
         late.sendall(REFUSED)
         answer = read_all(late, 10)  # read to its end: the server closed it after the answer
