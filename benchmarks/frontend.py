@@ -167,30 +167,26 @@ async def one(port: int, route: str, tokens: int, leave_after: int = 0) -> Strea
                     done = True
                     continue
                 event = json.loads(match.group(1))
+                pieces = []
                 if route == "responses":
-                    piece, done = _responses_event(event, seen), done or event.get("type") in TERMINAL
-                    if piece:
+                    pieces.append(_responses_event(event, seen))
+                    done = done or event.get("type") in TERMINAL
+                else:
+                    if event.get("usage"):
+                        seen.usage = event["usage"]
+                    if "error" in event:
+                        seen.error = str(event["error"])
+                    for choice in event.get("choices") or []:
+                        pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content"))
+                        seen.finish = choice.get("finish_reason") or seen.finish
+                for piece in pieces:
+                    if piece:  # a text event: the first token's time, or the gap since the last
                         texts += 1
                         if not seen.first_token_s:
                             seen.first_token_s = now - sent
                         elif last:
                             seen.gaps.append(now - last)
                         last = now
-                    continue
-                if event.get("usage"):
-                    seen.usage = event["usage"]
-                if "error" in event:
-                    seen.error = str(event["error"])
-                for choice in event.get("choices") or []:
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if piece:
-                        texts += 1
-                        if not seen.first_token_s:
-                            seen.first_token_s = now - sent
-                        elif last:
-                            seen.gaps.append(now - last)
-                        last = now
-                    seen.finish = choice.get("finish_reason") or seen.finish
             if done or (leave_after and texts >= leave_after):
                 break
     finally:

@@ -139,10 +139,10 @@ async def read_request(request: Request, model: type[M]) -> M:
 
 
 def refuse_by_count(body: dict[str, Any], context_length: int) -> None:
-    """More messages, or prompt items, than the context has tokens never fit: refused before validation,
-    which costs per item (every chat template writes at least a token per message; a list of prompts or of
-    token ids longer than the context is too many of either)."""
-    for param in ("messages", "prompt"):
+    """More messages, prompt items or Responses input items than the context has tokens never fit: refused
+    before validation, which costs per item (every chat template writes at least a token per message; a list
+    of prompts or of token ids longer than the context is too many of either)."""
+    for param in ("messages", "prompt", "input"):
         items = body.get(param)
         if isinstance(items, list) and len(items) > context_length:
             raise ApiError(400, f"{len(items)} items in {param} cannot fit the model's context of "

@@ -288,25 +288,28 @@ def output_items(response_id: str, text: str, finish_reason: str | None, tools: 
     message with any text the model wrote around them. Ids derive from the response's, so they are stable."""
     content, calls = (tool_calls(tools, text) if tools is not None and finish_reason == "stop" else (text, None))
     items: list[dict[str, Any]] = []
-    status = "incomplete" if finish_reason == "length" else "completed"
     if content or not calls:
-        items.append(message_item(response_id, content or "", status))
+        items.append(message_item(response_id, content or "", status_of(finish_reason)))
     for k, call in enumerate(calls or ()):
         items.append(function_call_item(response_id, k, call["id"], call["function"]["name"],
                                         call["function"]["arguments"], "completed"))
     return items
 
 
+def message_id(response_id: str) -> str:
+    return f"msg_{response_id.removeprefix('resp_')}"
+
+
 def message_item(response_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"id": f"msg_{response_id[5:]}", "type": "message", "role": "assistant", "status": status,
+    return {"id": message_id(response_id), "type": "message", "role": "assistant", "status": status,
             "content": content}
 
 
 def function_call_item(response_id: str, k: int, call_id: str, name: str, arguments: str,
                        status: str) -> dict[str, Any]:
-    return {"id": f"fc_{response_id[5:]}_{k}", "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {"id": f"fc_{response_id.removeprefix('resp_')}_{k}", "type": "function_call", "call_id": call_id,
+            "name": name, "arguments": arguments, "status": status}
 
 
 def usage_of(chat_usage: Mapping[str, Any]) -> dict[str, Any]:

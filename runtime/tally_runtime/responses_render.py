@@ -19,6 +19,7 @@ import orjson
 from tally_runtime.engine.base import Delta
 from tally_runtime.prepare import Job
 from tally_runtime.responses_api import (
+    message_id,
     message_item,
     output_items,
     response_object,
@@ -57,22 +58,18 @@ class ResponsesRenderer:
             self.text.append(delta.text)
             if self.job.tools is None:
                 self._open_message()
-                self.emit("response.output_text.delta", item_id=self._message_id, output_index=0, content_index=0,
-                          delta=delta.text, logprobs=[])
+                self.emit("response.output_text.delta", item_id=message_id(self.head.id), output_index=0,
+                          content_index=0, delta=delta.text, logprobs=[])
         if delta.finish_reason is not None:
             self.finish_reason = str(delta.finish_reason)
             self._close_items()
-
-    @property
-    def _message_id(self) -> str:
-        return str(message_item(self.head.id, None, "")["id"])
 
     def _open_message(self) -> None:
         if not self.opened:
             self.opened = True
             self.emit("response.output_item.added", output_index=0,
                       item=message_item(self.head.id, None, "in_progress"))
-            self.emit("response.content_part.added", item_id=self._message_id, output_index=0, content_index=0,
+            self.emit("response.content_part.added", item_id=message_id(self.head.id), output_index=0, content_index=0,
                       part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
     def _close_items(self) -> None:

@@ -64,28 +64,26 @@ def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] =
         if name not in parameters:
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return ToolPlan(_bounded(parameters[name]), named=name)
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                         "parameters": schema},
-                        "required": ["name", "parameters"], "additionalProperties": False}
-                       for name, schema in parameters.items()]}
-    array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+    return ToolPlan(_bounded(_calls(req, parameters, "parameters")))
+
+
+def _calls(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    """A JSON array of `{"name", key}` objects, one function name each (at most one unless parallel calls)."""
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, key: schema},
+                       "required": ["name", key], "additionalProperties": False}
+                      for name, schema in parameters.items()]}
+    array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not req.parallel_tool_calls:
         array["maxItems"] = 1
-    return ToolPlan(_bounded(array))
+    return array
 
 
 def generic_plan(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]]) -> ToolPlan:
     """`auto` without the engine's parser: the output is either calls or a response, as JSON the grammar
     guarantees (llama.cpp's generic format)."""
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                        "arguments": schema},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, schema in parameters.items()]}
-    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-    if not req.parallel_tool_calls:
-        calls["maxItems"] = 1
     schema = {"anyOf": [
-        {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+        {"type": "object", "properties": {"tool_calls": _calls(req, parameters, "arguments")},
+         "required": ["tool_calls"],
          "additionalProperties": False},
         {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
          "additionalProperties": False}]}

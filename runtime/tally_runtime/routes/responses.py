@@ -32,8 +32,7 @@ async def create_response(request: Request) -> Response:
             job = await server.prepare.chat(chat)
         except ApiError as error:
             raise responses_api.renamed(error) from None
-        return dataclasses.replace(job, endpoint=RESPONSES, header=responses_api.header(req, job.header),
-                                   include_usage=False, continuous_usage=False)
+        return dataclasses.replace(job, endpoint=RESPONSES, header=responses_api.header(req, job.header))
 
     return await respond(request, server, RESPONSES, prepare)
 
