@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -28,9 +30,10 @@ from tally_operator.context import Context, Scraped, ServiceMemory
 from tally_operator.kube import KubeError
 from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import Call, post_all, scrape
+from tally_operator.shard_store import read_shards, write_shard
+from tally_operator.shards import MAX_SHARD_TENANTS
 from tally_operator.signing import Signer
 from tally_operator.usage import (
-    MAX_LEDGER_TENANTS,
     Round,
     counted_uids,
     ledger_from_status,
@@ -89,18 +92,36 @@ async def parse(text: str, uid: str) -> PodSample:
     return await asyncio.to_thread(parse_sample, text, uid)
 
 async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapping[str, Any],
-                 observe: Observe) -> Scraped | None:
-    """Observe against `obj`'s status (scraping after it was read), plan, and write by compare-and-swap; a
-    refused write reads the object again and observes again. Then what may only follow a landed write.
-    Returns the round whose status landed (None: nothing was scraped, or the object is gone)."""
+                 observe: Observe, books: bool = True) -> Scraped | None:
+    """Observe against `obj`'s status and the service's UsageShards (scraping after both were read), plan, and
+    write the shards that changed, then the status, each by compare-and-swap; a refused write reads everything
+    again and observes again. Then what may only follow a landed write. `books`: whether the pass may scrape
+    (the shards are read only then). Returns the round whose status landed (None: nothing was scraped, or the
+    object is gone)."""
     meta = obj["metadata"]
+    if books:  # books are planned on the status as it is now, not on a body kopf handed over a while ago
+        fresh = await asyncio.to_thread(ctx.kube.get, c.API_VERSION, c.KIND, meta["name"], meta["namespace"])
+        if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
+            return None
+        obj, meta = fresh, fresh["metadata"]
+    # The shards' hash key, for a ledger that has none yet (the status keeps it from then): the same in every
+    # operator that holds the chart's signing key, so two that move one ledger into shards at once agree, and
+    # no client or pod can compute where a name goes
+    key = hashlib.sha256(ctx.signer.sign(f"usage-shards/{meta['uid']}".encode()).encode()).hexdigest()[:32]
     for _ in range(MAX_WRITES):
+        shards = await asyncio.to_thread(read_shards, ctx.kube, meta) if books else {}
         observed, scraped = await observe(obj)
+        if observed.round is not None:
+            observed = replace(observed, shards=shards, shard_key=key)
         planned = plan(obj.get("status") or {}, memory.observations, observed, now())
-        if not planned.changed:
+        if not planned.changed and not planned.shards:
             memory.observations = planned.observations
             return scraped
         try:
+            for index, usage in sorted(planned.shards.items()):
+                read = shards.get(index)
+                await asyncio.to_thread(write_shard, ctx.kube, meta, index, usage,
+                                        read.resource_version if read is not None else None)
             await asyncio.to_thread(ctx.kube.replace_status, c.API_VERSION, c.KIND, meta["name"],
                                     meta["namespace"], planned.status, str(meta["resourceVersion"]))
         except KubeError as error:
@@ -142,13 +163,13 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
         post(body, "Warning", "UsageUnaccounted",
              f"{booking.lost} pod(s) went away or restarted their counters before their last counters were read: "
              "what they served since the scrape before is not in the totals")
-    ctx.metrics.record(meta["namespace"], meta["name"], booking.ledger,
+    ctx.metrics.record(meta["namespace"], meta["name"], planned.ledger or booking.ledger,
                        planned.verdict.status if planned.verdict else "Unknown", len(scraped.round.samples),
                        len(scraped.round.failed), created_at(meta))
     if booking.folded:
-        post(body, "Warning", "TenantsFolded", f"{booking.folded} tenant(s) beyond the ledger's "
-                                               f"{MAX_LEDGER_TENANTS} were booked to tenant 'other' (the totals "
-                                               "are unaffected)")
+        post(body, "Warning", "TenantsFolded", f"{booking.folded} tenant(s) whose part of the books (a UsageShard "
+                                               f"of {MAX_SHARD_TENANTS} tenants) was full were booked to tenant "
+                                               "'other' (the totals are unaffected)")
     if planned.budgets is not None:
         pending = planned.budgets.pending_count
         if pending and memory.budget_notice != pending:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import calendar
 import datetime
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from tally_operator.samples import Counters
@@ -101,7 +101,7 @@ class BudgetState:
     count: str = ""  # the count in force this period (a change in the spec applies from the next period)
 
 
-UNTRACKED_LEDGER = f"the service's ledger holds {MAX_LEDGER_TENANTS} tenants already"
+UNTRACKED_LEDGER = "the service's ledger cannot keep this tenant apart (its part of the books is full)"
 UNTRACKED_PLAN = "the budgets plan at most {} tenants a service"
 
 
@@ -158,8 +158,12 @@ def period_of(now: datetime.datetime) -> tuple[str, float]:
 def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: BudgetState,
                  serving: frozenset[str], now: datetime.datetime,
                  wanted: Mapping[str, Mapping[str, int]] | None = None,
-                 reports: Mapping[str, LeaseReport] | None = None) -> Planned:
-    """The budgets after a booked round: leases to keep and send, and what each tenant has left."""
+                 reports: Mapping[str, LeaseReport] | None = None,
+                 room: Callable[[str], bool] | None = None) -> Planned:
+    """The budgets after a booked round: leases to keep and send, and what each tenant has left. `room`: whether
+    the ledger can keep a tenant it does not hold yet apart (default: the ledger holds fewer than its bound)."""
+    if room is None:
+        room = lambda _tenant: not _ledger_full(after)  # noqa: E731
     period, period_end = period_of(now)
     start, lost = dict(state.start), dict(state.lost)
     wanted_count = config.count
@@ -175,7 +179,7 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
     # Fail closed: a tenant whose spend the ledger cannot keep apart (it would be booked to `other`) or that the
     # plan cannot hold is never granted anything; its pods refuse it, saying why (never a fresh allowance)
     untracked = dict.fromkeys(sorted(t for t in known | set(config.tenants)
-                                     if t != OTHER_TENANT and t not in after.tenants and _ledger_full(after)),
+                                     if t != OTHER_TENANT and t not in after.tenants and not room(t)),
                               UNTRACKED_LEDGER)
     # The spec's own tenants first (never cut by names a pod asks for), then the others a default covers
     listed = sorted(t for t in config.tenants if t not in untracked)

@@ -5,6 +5,8 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "CompletionService"
 PLURAL = "completionservices"
+SHARD_KIND = "UsageShard"  # a service's per-tenant books, by tenant (shards.py)
+LABEL_SHARD_OWNER = f"{GROUP}/service-uid"  # the uid of the CompletionService a UsageShard belongs to
 BUDGET_KIND = "Budget"  # cluster-scoped: the platform team's (platform.py)
 BUDGET_PLURAL = "budgets"
 

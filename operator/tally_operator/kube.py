@@ -140,6 +140,21 @@ class Kube:
         return dict(result.to_dict())
 
     @_sorted_errors
+    def create(self, obj: Obj) -> Obj:
+        """Create `obj` (a 409 `KubeError` if its name is taken)."""
+        result = self._resource(obj["apiVersion"], obj["kind"]).create(body=obj,
+                                                                       namespace=obj["metadata"].get("namespace"))
+        return dict(result.to_dict())
+
+    @_sorted_errors
+    def replace(self, obj: Obj) -> Obj:
+        """Write `obj` whole, only if it is still at its metadata.resourceVersion (a 409 `KubeError` otherwise)."""
+        meta = obj["metadata"]
+        result = self._resource(obj["apiVersion"], obj["kind"]).replace(body=obj, name=meta["name"],
+                                                                        namespace=meta.get("namespace"))
+        return dict(result.to_dict())
+
+    @_sorted_errors
     def annotate(self, api_version: str, kind: str, name: str, namespace: str, annotations: dict[str, str]) -> None:
         self._resource(api_version, kind).patch(body={"metadata": {"annotations": annotations}}, name=name,
                                                 namespace=namespace, content_type="application/merge-patch+json")

@@ -3,7 +3,7 @@
 The usage series (`_total`, per service and per tenant) are the durable ledger itself, as the last status
 write this process made or read left it: they are counters that never re-baseline, so a restarted operator
 or a peer taking over exports the same numbers the status holds, and `increase()` over them is exact
-wherever the scrapes fall. Tenants are the ledger's (bounded by it: usage.MAX_LEDGER_TENANTS)."""
+wherever the scrapes fall. Tenants are the ledger's (bounded by it: shards.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class LedgerSeries(Collector):
             kept = self._ledgers.get((namespace, name))
             if kept is None or ledger.sequence >= kept[0].sequence:
                 self._ledgers[(namespace, name)] = (ledger, created)
+
+    def has(self, namespace: str, name: str) -> bool:
+        with self._lock:
+            return (namespace, name) in self._ledgers
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:

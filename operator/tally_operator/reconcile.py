@@ -37,14 +37,12 @@ from tally_operator.platform import PlatformBudget, budgets_in_force
 from tally_operator.pods import is_ready, leasable_uids
 from tally_operator.policy import check_policy
 from tally_operator.scaling import autoscale, decided_replicas, held_now, rescale, serving_uids
+from tally_operator.shard_store import whole_ledger
 from tally_operator.spec import Spec, SpecError, check_name, parse_spec
 from tally_operator.status import (
     invalid_verdicts,
     observed_fields,
     workload_verdicts,
-)
-from tally_operator.usage import (
-    ledger_from_status,
 )
 
 log = logging.getLogger("tally_operator")
@@ -70,9 +68,11 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
     meta = {"name": body.meta["name"], "namespace": body.meta["namespace"], "uid": body.meta["uid"]}
     generation = int(body.meta.get("generation") or 0)
     fields: dict[str, Any] = {"endpoint": endpoint(meta, ctx.settings)}
-    if obj["status"].get("usage"):  # a restarted operator or a new leader exports the ledger from its first pass
-        ctx.metrics.ledgers.keep(meta["namespace"], meta["name"], ledger_from_status(obj["status"]["usage"]),
-                                 created_at(body.meta))
+    if obj["status"].get("usage") and not ctx.metrics.ledgers.has(meta["namespace"], meta["name"]):
+        # a restarted operator or a new leader exports the ledger (the status's totals, the shards' tenants) from
+        # its first pass
+        ctx.metrics.ledgers.keep(meta["namespace"], meta["name"], await asyncio.to_thread(
+            whole_ledger, ctx.kube, meta, obj["status"]["usage"]), created_at(body.meta))
     try:
         spec = parse_spec(body.spec)
         check_policy(spec, ctx.settings)
@@ -158,7 +158,7 @@ async def _reconcile(ctx: Context, body: kopf.Body, memory: ServiceMemory, apply
                         spec.max_mismatch_ratio, spec.budgets, leasable_uids(pods),
                         keep=kept_status(spec)), scraped
 
-    landed_round = await commit(ctx, body, memory, obj, observe)
+    landed_round = await commit(ctx, body, memory, obj, observe, books=due)
     if landed_round is not None and landed_round.decision is not None:
         await rescale(ctx, body, meta, spec, memory, landed_round, pods)
 
@@ -179,7 +179,7 @@ async def keep_books(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: 
         serving = leasable_uids(pods) if observed.budgets is not None else frozenset()
         return replace(observed, round=scraped.round if scraped else None, serving=serving), scraped
 
-    await commit(ctx, body, memory, obj, observe)
+    await commit(ctx, body, memory, obj, observe, books=due)
 
 
 def kept_status(spec: Spec) -> frozenset[str]:

@@ -1,8 +1,9 @@
-"""`tally-usage`: each tenant's exact totals from the durable ledger (`status.usage.tenants`), without
+"""`tally-usage`: each tenant's exact totals from the durable ledger (each service's UsageShards), without
 Prometheus; with `--since`, the usage of a period: the difference from a snapshot taken at its start.
 
-    kubectl get completionservices -A -o json > 2026-12.json          # at the start of the period
-    kubectl get completionservices -A -o json | tally-usage --since 2026-12.json
+    kubectl get completionservices,usageshards -A -o json > 2026-12.json          # at the start of the period
+    kubectl get completionservices,usageshards -A -o json | tally-usage --since 2026-12.json
+    kubectl get completionservices,usageshards -A -o json | tally-usage --tenant acme   # one tenant's lines
     kubectl get budgets -o json | tally-usage                          # each tenant's month under each Budget
 
 The ledger's totals only rise while a CompletionService exists, so the difference of two snapshots of one
@@ -39,19 +40,39 @@ class Row:
 
 
 def rows(document: Mapping[str, Any]) -> list[Row]:
-    """Every tenant line of every CompletionService in `kubectl get -o json` output (a List or one object)."""
+    """Every tenant line of every CompletionService in `kubectl get completionservices,usageshards -o json`
+    output (a List or one object): its tenants are in its UsageShards (`other` summed over them), or in its
+    status when it was written before the shards."""
     items = document.get("items") if document.get("kind", "").endswith("List") else [document]
-    found = []
-    for item in items if isinstance(items, list) else []:
-        if not isinstance(item, Mapping) or item.get("kind") != "CompletionService":
-            continue
+    items = [item for item in items if isinstance(item, Mapping)] if isinstance(items, list) else []
+    in_status = {str((item.get("metadata") or {}).get("uid", "")) for item in items
+                 if item.get("kind") == "CompletionService"
+                 and "shardKey" not in ((item.get("status") or {}).get("usage") or {})}
+    summed: dict[tuple[str, str, str, str], tuple[int, ...]] = {}
+    for item in items:
         meta = item.get("metadata") or {}
-        tenants = ((item.get("status") or {}).get("usage") or {}).get("tenants") or {}
-        for tenant, counts in sorted(tenants.items() if isinstance(tenants, Mapping) else []):
+        if item.get("kind") == "CompletionService" and str(meta.get("uid", "")) in in_status:
+            key = (str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", "")))
+            tenants = ((item.get("status") or {}).get("usage") or {}).get("tenants") or {}
+        elif item.get("kind") == "UsageShard" and _owner(meta) not in in_status:
+            key = (str(meta.get("namespace", "")), str(item.get("service", "")), _owner(meta))
+            tenants = (item.get("usage") or {}).get("tenants") or {}
+        else:
+            continue
+        for tenant, counts in tenants.items() if isinstance(tenants, Mapping) else []:
             if isinstance(counts, Mapping):
-                found.append(Row(str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", "")),
-                                 str(tenant), tuple(_count(counts.get(f)) for f in FIELDS)))
-    return found
+                line = tuple(_count(counts.get(f)) for f in FIELDS)
+                before = summed.get((*key, str(tenant)), (0,) * len(FIELDS))
+                summed[(*key, str(tenant))] = tuple(a + b for a, b in zip(before, line, strict=True))
+    return [Row(namespace, service, uid, tenant, counts)
+            for (namespace, service, uid, tenant), counts in sorted(summed.items())]
+
+
+def _owner(meta: Mapping[str, Any]) -> str:
+    for ref in meta.get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("controller"):
+            return str(ref.get("uid", ""))
+    return ""
 
 
 BUDGET_FIELDS = ("budget", "spent", "held", "remaining")
@@ -121,9 +142,10 @@ def _load(path: str) -> Mapping[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tally-usage", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", nargs="?", default="-", help="`kubectl get completionservices -o json` output "
-                                                                "(default: standard input)")
+    parser.add_argument("input", nargs="?", default="-",
+                        help="`kubectl get completionservices,usageshards -o json` output (default: standard input)")
     parser.add_argument("--since", metavar="SNAPSHOT", help="the same output saved at the period's start")
+    parser.add_argument("--tenant", help="only this tenant's lines")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -131,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         found, months = rows(document), budget_rows(document)
         if args.since:
             found = period(found, rows(_load(args.since)))
+        if args.tenant is not None:
+            found = [row for row in found if row.tenant == args.tenant]
+            months = [month for month in months if month.tenant == args.tenant]
     except (ReportError, OSError) as err:
         print(f"tally-usage: {err}", file=sys.stderr)
         return 1

@@ -87,20 +87,25 @@ class Booking:
     folded: int = 0  # tenant names newly booked to `other` because the ledger was full
 
 
-def book(ledger: Ledger, round_: Round) -> Booking:
-    """Add the round's increases to the ledger (see the module's rules)."""
+def book(ledger: Ledger, round_: Round, capacity: int = MAX_LEDGER_TENANTS, down: frozenset[str] = frozenset(),
+         baseline: frozenset[str] | None = None) -> Booking:
+    """Add the round's increases to the ledger (see the module's rules). `capacity`: the named tenants the
+    ledger keeps; `down`: pods whose counters went down elsewhere (another part of the books): they book nothing
+    here either; `baseline`: the pods without a reading here that are a baseline (None: every such pod while
+    the ledger is not complete)."""
     readings = dict(ledger.readings)
     tenants = dict(ledger.tenants)
     increase, lost, regressed, folded = Counters(), 0, [], 0
     tenant_increase: dict[str, Counters] = {}
     for uid, sample in sorted(round_.samples.items()):
         before = readings.get(uid)
-        base, tenant_base = _base(ledger, before, sample)
+        new = uid not in baseline if baseline is not None else ledger.complete
+        base, tenant_base = _base(new, before, sample)
         if before is not None and sample.started != before.epoch:
             lost += 0 if before.final else 1
         more = sample.counters.increase_since(base)
         more_tenants = {name: c.increase_since(tenant_base.get(name, Counters())) for name, c in sample.tenants.items()}
-        if _went_down(sample, base, tenant_base, more, more_tenants):
+        if uid in down or _went_down(sample, base, tenant_base, more, more_tenants):
             regressed.append(uid)  # books nothing at all: the new reading is the base from now on
             lost += 1
             more, more_tenants = Counters(), {}
@@ -110,7 +115,7 @@ def book(ledger: Ledger, round_: Round) -> Booking:
             explained = explained.plus(counters)
             if not counters.any():
                 continue
-            bucket = _bucket(name, tenants)
+            bucket = _bucket(name, tenants, capacity)
             if bucket != name and name not in tenant_base:
                 folded += 1
             tenants[bucket] = tenants.get(bucket, Counters()).plus(counters)
@@ -133,10 +138,11 @@ def book(ledger: Ledger, round_: Round) -> Booking:
     return Booking(booked, increase, lost, tuple(regressed), tenant_increase, folded)
 
 
-def _base(ledger: Ledger, before: Reading | None, sample: PodSample) -> tuple[Counters, Tenants]:
-    """What the sample's increase is counted from: nothing for a new pod or epoch, else the last reading."""
+def _base(new: bool, before: Reading | None, sample: PodSample) -> tuple[Counters, Tenants]:
+    """What the sample's increase is counted from: nothing for a new pod (`new`: one without a reading is new
+    usage, not a baseline) or epoch, else the last reading."""
     if before is None:
-        return (Counters(), {}) if ledger.complete else (sample.counters, sample.tenants)
+        return (Counters(), {}) if new else (sample.counters, sample.tenants)
     if sample.started != before.epoch:
         return Counters(), {}
     return before.counters, before.tenants if before.tenants is not None else sample.tenants
@@ -158,11 +164,11 @@ def _went_down(sample: PodSample, base: Counters, tenant_base: Tenants, more: Co
     return more.tenant_part().below(explained.tenant_part())
 
 
-def _bucket(name: str, tenants: Mapping[str, Counters]) -> str:
+def _bucket(name: str, tenants: Mapping[str, Counters], capacity: int) -> str:
     """The ledger tenant `name` is booked to: its own while it is in the ledger or there is room."""
     if name == OTHER_TENANT or name in tenants:
         return name
-    return name if len(tenants) - (OTHER_TENANT in tenants) < MAX_LEDGER_TENANTS else OTHER_TENANT
+    return name if len(tenants) - (OTHER_TENANT in tenants) < capacity else OTHER_TENANT
 
 
 def check_sums(ledger: Ledger) -> None:
@@ -275,6 +281,12 @@ def ledger_status(ledger: Ledger) -> dict[str, object]:
     return {**_counters_status(ledger.totals), "podsUnaccounted": ledger.unaccounted, "sequence": ledger.sequence,
             "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods,
             **({} if ledger.complete else {"complete": False})}
+
+
+def shard_status(ledger: Ledger) -> dict[str, object]:
+    """A UsageShard's `usage`: its tenants, their sums and the readings they stand on (the status counts the
+    writes and the pods lost)."""
+    return {k: v for k, v in ledger_status(ledger).items() if k not in ("podsUnaccounted", "sequence")}
 
 
 def round_status(round_: Round, scraped_at: str) -> dict[str, object]:

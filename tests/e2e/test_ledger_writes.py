@@ -10,7 +10,10 @@ scaled to none meanwhile, so these passes are the only writers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import io
+import json as jsonlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +22,7 @@ import kopf
 import pytest
 from kube_harness import ROOT, Kubectl, eventually
 from operator_harness import NAMESPACE, RELEASE
+from usage_harness import status
 
 from tally_operator.bookkeeping import Observed
 from tally_operator.books import Observe, commit
@@ -26,12 +30,15 @@ from tally_operator.context import Context, Scraped, ServiceMemory
 from tally_operator.kube import Kube
 from tally_operator.metrics import OperatorMetrics
 from tally_operator.reconcile import reconcile
+from tally_operator.report import main as tally_usage
 from tally_operator.samples import Counters, PodSample
 from tally_operator.settings import OperatorSettings
+from tally_operator.shards import MAX_SHARD_BYTES, SHARDS
 from tally_operator.signing import Signer
 from tally_operator.usage import Round
 
 pytestmark = pytest.mark.e2e
+SIGNER = Signer.load("")  # the chart's signing key, which every operator of a release holds
 
 
 class Pod:
@@ -77,7 +84,7 @@ class Operator:
 
     def __init__(self, kubeconfig: str) -> None:
         self.events: list[tuple[str, str]] = []
-        self.ctx = Context(OperatorSettings(), Kube(kubeconfig), OperatorMetrics(), Signer.load(""),
+        self.ctx = Context(OperatorSettings(), Kube(kubeconfig), OperatorMetrics(), SIGNER,
                            post_event=lambda _b, kind, reason, _m: self.events.append((kind, reason)))
         self.memory = ServiceMemory()
 
@@ -97,8 +104,9 @@ class Operator:
 @pytest.fixture
 def writers(kubectl: Kubectl, kube_env: dict[str, str]) -> Iterator[str]:
     """The chart's operator scaled to none (if installed) and the CRD present; yields the kubeconfig."""
-    kubectl("apply", "--server-side", "--force-conflicts", "-f",
-            str(ROOT / "crds" / "serving.tally.dev_completionservices.yaml"))
+    for crd in ("completionservices", "usageshards"):
+        kubectl("apply", "--server-side", "--force-conflicts", "-f",
+                str(ROOT / "crds" / f"serving.tally.dev_{crd}.yaml"))
     system = kubectl.in_namespace(NAMESPACE)
     replicas = system("get", "deployment", RELEASE, "-o", "jsonpath={.spec.replicas}", check=False).strip()
     if replicas:
@@ -119,7 +127,8 @@ def create(kube: Kubectl) -> dict[str, Any]:
 
 
 def usage(kube: Kubectl) -> dict[str, Any]:
-    return dict((kube.json("get", "completionservice", "books").get("status") or {}).get("usage") or {})
+    """status.usage, its tenants read from the service's UsageShards (as tally-usage reads them)."""
+    return dict(status(kube, "books").get("usage") or {})
 
 
 def test_two_passes_on_one_stale_body_never_regress_the_ledger(writers: str, kube: Kubectl) -> None:
@@ -390,3 +399,46 @@ def test_records_a_pod_could_not_deliver_are_told_in_an_event_once_per_increase(
         asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), losing(count)))
     assert [reason for _, reason in operator.events].count("UsageRecordsLost") == 2
     assert body["metadata"]["uid"]
+
+
+def test_ten_thousand_tenants_are_booked_exactly_in_usage_shards_none_over_256_kib(writers: str, kube: Kubectl,
+                                                                                  tmp_path: Any) -> None:
+    """10,000 tenants over 20 pods (500 each) through the real API server: the status holds no tenant and stays
+    small, every UsageShard is under 256 KiB and owned by the service, each round writes only the shards that
+    changed, and `tally-usage` on `kubectl get completionservices,usageshards -o json` gives every tenant
+    exactly what its clients were served."""
+    body = create(kube)
+    operator = Operator(writers)
+    names = [f"tenant-{i:05d}" for i in range(10_000)]
+    pods = [Pod(tuple(names[i * 500:(i + 1) * 500])) for i in range(20)]
+    served: dict[str, float] = {}
+    for round_number in range(2):
+        for pod in pods:
+            for tenant in pod.tenants:
+                tokens = 1 + (int(tenant[-5:]) + round_number) % 7
+                pod.serve(tokens, tenant)
+                served[tenant] = served.get(tenant, 0) + tokens
+        asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing(pods)))
+    shards = kube.json("get", "usageshards", "-l", f"serving.tally.dev/service-uid={body['metadata']['uid']}")["items"]
+    assert len(shards) == SHARDS
+    assert max(len(jsonlib.dumps(s, separators=(",", ":"))) for s in shards) < MAX_SHARD_BYTES
+    assert all(s["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"] for s in shards)
+    obj = kube.json("get", "completionservice", "books")
+    assert "tenants" not in obj["status"]["usage"] and obj["status"]["usage"]["tenantCount"] == 10_000
+    assert len(jsonlib.dumps(obj)) < 32 << 10
+    assert obj["status"]["usage"]["completionTokens"] == sum(served.values())
+    # a round in which one tenant was served writes its shard alone
+    versions = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in shards}
+    pods[0].serve(3, names[0])
+    served[names[0]] += 3
+    asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")), observing(pods)))
+    after = kube.json("get", "usageshards", "-l", f"serving.tally.dev/service-uid={body['metadata']['uid']}")["items"]
+    assert sum(s["metadata"]["resourceVersion"] != versions[s["metadata"]["name"]] for s in after) == 1
+    listing = tmp_path / "now.json"
+    listing.write_text(kube("get", "completionservices,usageshards", "-o", "json"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert tally_usage([str(listing), "--json"]) == 0
+    books = {line["tenant"]: line["completionTokens"] for line in map(jsonlib.loads, out.getvalue().splitlines())}
+    assert books == served
+    assert operator.booked("completion_tokens", tenant=names[0]) == served[names[0]]

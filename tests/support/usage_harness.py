@@ -10,6 +10,8 @@ import openai
 import yaml
 from kube_harness import ROOT, Kubectl, eventually, in_cluster
 
+from tally_operator.report import FIELDS, rows
+
 MODEL = "smollm2-135m-instruct"
 
 
@@ -22,7 +24,16 @@ def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
 
 
 def status(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
-    return dict(kube.json("get", "completionservice", name).get("status") or {})
+    """The service's status, with its tenants read from its UsageShards as `tally-usage` reads them (in
+    `usage.tenants`, where the status kept them before the shards)."""
+    obj = kube.json("get", "completionservice", name)
+    found = dict(obj.get("status") or {})
+    usage = found.get("usage") or {}
+    if "shardKey" in usage:
+        shards = kube.json("get", "usageshards", "-l", f"serving.tally.dev/service-uid={obj['metadata']['uid']}")
+        lines = rows({"kind": "List", "items": [obj, *shards["items"]]})
+        found["usage"] = {**usage, "tenants": {r.tenant: dict(zip(FIELDS, r.counts, strict=True)) for r in lines}}
+    return found
 
 
 def usage_condition(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:

@@ -67,6 +67,10 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
 - apiGroups: [serving.tally.dev]
   resources: [completionservices/status]
   verbs: [get, update, patch]  # update: the status is written whole, by compare-and-swap
+# each service's per-tenant books, by tenant (replaced whole by compare-and-swap; gone with their service)
+- apiGroups: [serving.tally.dev]
+  resources: [usageshards]
+  verbs: [get, list, create, update]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]  # delete: a service's activator once it stops scaling to zero

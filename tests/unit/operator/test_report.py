@@ -65,3 +65,31 @@ def test_a_budgets_listing_shows_each_tenants_month_at_a_glance(tmp_path: Path,
     assert lines[1].split() == ["acme-month", "2026-12", "acme", "2000", "1900", "60", "40"]
     assert main([str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["spent"] == 1900
+
+
+def test_a_sharded_service_is_read_from_its_usage_shards_and_one_tenant_at_a_glance(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The tenants of a service written with shards are in its UsageShards (`other` in several, summed); a
+    shard of another service, or one the status layout still owns, is not counted twice."""
+    from tally_operator.shard_store import shard_object
+
+    meta = {"namespace": "team", "name": "chat", "uid": "u1"}
+    sharded = {**service("u1", {}), "status": {"usage": {"shardKey": "k", "completionTokens": 33}}}
+
+    def part(index: int, tenants: dict[str, tuple[int, int, int, int]]) -> dict[str, Any]:
+        return shard_object(meta, index, service("u1", tenants)["status"]["usage"], "7")
+
+    document = listing(sharded, part(0, {"acme": (1, 2, 3, 0), "other": (1, 1, 1, 0)}),
+                       part(5, {"zeta": (2, 2, 20, 0), "other": (1, 1, 9, 0)}),
+                       shard_object({**meta, "uid": "u9", "name": "gone"}, 1,
+                                    service("u9", {"acme": (5, 5, 5, 5)})["status"]["usage"], "1"))
+    found = {(r.service, r.tenant): r.counts for r in rows(document)}
+    assert found == {("chat", "acme"): (1, 2, 3, 0), ("chat", "other"): (2, 2, 10, 0), ("chat", "zeta"): (2, 2, 20, 0),
+                     ("gone", "acme"): (5, 5, 5, 5)}
+    legacy = listing(service("u1", {"acme": (1, 1, 1, 1)}), part(0, {"acme": (9, 9, 9, 9)}))
+    assert [(r.tenant, r.counts) for r in rows(legacy)] == [("acme", (1, 1, 1, 1))]  # the status still owns them
+    path = tmp_path / "now.json"
+    path.write_text(json.dumps(document))
+    assert main([str(path), "--tenant", "zeta"]) == 0
+    assert [line.split() for line in capsys.readouterr().out.splitlines()[1:]] == [
+        ["team", "chat", "zeta", "2", "2", "20", "0"]]

@@ -1,0 +1,133 @@
+"""PURE: a service's per-tenant books, split by tenant into `UsageShard` objects.
+
+`status.usage` keeps the service's totals and each pod's last total reading (a few hundred bytes a pod);
+each tenant's totals and each pod's last reading of that tenant live in one of `SHARDS` UsageShard objects,
+chosen by a keyed hash of the tenant's name (the key is random per service and kept in `status.usage`, so
+no client can aim its names at one shard). A shard is a ledger of its own (usage.py's `Ledger`, over its
+tenants only): it books a round from its own readings, so booking it again after a write that did not land
+books nothing twice, and each shard is written by compare-and-swap only when it changed.
+
+One decision per pod: a pod whose counters went down under one epoch, in the totals or in any shard, books
+nothing anywhere this round (`book(..., down=...)`). The shards of a round are written before the status:
+a shard write that lands and a status write that does not is booked again from the shard's own readings
+(nothing twice), and the status's totals catch up from theirs.
+
+Bounds: at most `MAX_SHARD_TENANTS` tenants a shard (a tenant whose shard is full is booked to `other`,
+and refused under a budget), so 10,000 tenants a service fit with room to spare; a shard's readings are at
+most its tenants times the pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from tally_operator.samples import Counters, PodSample
+from tally_operator.usage import Ledger, Reading, Round, Tenants
+from tally_runtime.contract import OTHER_TENANT
+
+SHARDS = 64
+MAX_SHARD_TENANTS = 320  # per shard: 64 x 320 = 20,480, so 10,000 tenants fit however the hash falls (p < 1e-9)
+MAX_SHARD_BYTES = 256 << 10  # no shard written is larger (etcd refuses about 1.5 MiB)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One UsageShard as read: its ledger and the resourceVersion a write must replace (None: not created)."""
+
+    ledger: Ledger
+    resource_version: str | None = None
+
+
+def shard_of(tenant: str, key: str) -> int:
+    digest = hashlib.blake2b(tenant.encode(), key=key.encode()[:64], digest_size=8).digest()
+    return int.from_bytes(digest, "big") % SHARDS
+
+
+def shard_name(service: str, index: int) -> str:
+    return f"{service}-usage-{index:02d}"
+
+
+def split_tenants(tenants: Tenants, key: str) -> dict[int, dict[str, Counters]]:
+    out: dict[int, dict[str, Counters]] = {}
+    for name, counters in tenants.items():
+        out.setdefault(shard_of(name, key), {})[name] = counters
+    return out
+
+
+def _sum(tenants: Tenants) -> Counters:
+    total = Counters()
+    for counters in tenants.values():
+        total = total.plus(counters)
+    return total.tenant_part()
+
+
+def split_ledger(ledger: Ledger, key: str) -> dict[int, Ledger]:
+    """The shards of a ledger that kept its tenants in the status (the layout before shards): its tenants and
+    each pod's tenant readings, by shard. A pod whose reading kept no tenants (older still) has none in any
+    shard: its next sample is their baseline (bookkeeping.book_sharded)."""
+    tenants = split_tenants(ledger.tenants, key)
+    readings: dict[int, dict[str, Reading]] = {}
+    for uid, reading in ledger.readings.items():
+        for index, part in split_tenants(reading.tenants or {}, key).items():
+            readings.setdefault(index, {})[uid] = replace(reading, counters=_sum(part), tenants=part)
+    return {index: Ledger(readings=readings.get(index, {}), totals=_sum(tenants.get(index, {})),
+                          tenants=tenants.get(index, {}))
+            for index in sorted(set(tenants) | set(readings))}
+
+
+def shard_rounds(round_: Round, key: str, shards: Mapping[int, Ledger]) -> dict[int, Round]:
+    """The round as each shard books it: per pod, its tenants of that shard (their sum as its counters), for
+    every shard where it has tenants now or a reading from before (a tenant that vanished under one epoch is
+    a reading that went down)."""
+    read_in: dict[str, set[int]] = {}
+    for index, ledger in shards.items():
+        for uid in ledger.readings:
+            read_in.setdefault(uid, set()).add(index)
+    samples: dict[int, dict[str, PodSample]] = {}
+    for uid, sample in round_.samples.items():
+        parts = split_tenants(sample.tenants, key)
+        for index in set(parts) | read_in.get(uid, set()):
+            part = parts.get(index, {})
+            samples.setdefault(index, {})[uid] = PodSample(_sum(part), sample.stream_mode, started=sample.started,
+                                                           final=sample.final, tenants=part, pod_uid=uid)
+    present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
+    return {index: Round(samples.get(index, {}), round_.failed, present)
+            for index in sorted(set(samples) | set(shards))}
+
+
+def totals_round(round_: Round) -> Round:
+    """The round as the status books it: the pods' totals only."""
+    return replace(round_, samples={uid: replace(s, tenants={}) for uid, s in round_.samples.items()})
+
+
+def totals_ledger(ledger: Ledger) -> Ledger:
+    """The status's part of a ledger: totals and each pod's total reading, no tenants."""
+    return replace(ledger, tenants={}, tenants_folded=0,
+                   readings={uid: replace(r, tenants=None) for uid, r in ledger.readings.items()})
+
+
+def merged(totals: Ledger, shards: Mapping[int, Ledger]) -> Ledger:
+    """The whole ledger in memory (budgets and /metrics read it): the status's totals and readings, every
+    shard's tenants (`other` summed over the shards) and each pod's tenant readings."""
+    tenants: dict[str, Counters] = {}
+    pod_tenants: dict[str, dict[str, Counters]] = {}
+    folded = 0
+    for ledger in shards.values():
+        folded += ledger.tenants_folded
+        for name, counters in ledger.tenants.items():
+            tenants[name] = tenants[name].plus(counters) if name in tenants else counters
+        for uid, reading in ledger.readings.items():
+            if reading.tenants:
+                pod_tenants.setdefault(uid, {}).update(reading.tenants)
+    readings = {uid: replace(r, tenants=pod_tenants.get(uid, {})) for uid, r in totals.readings.items()}
+    return replace(totals, tenants=tenants, readings=readings, tenants_folded=folded)
+
+
+def has_room(shards: Mapping[int, Ledger], tenant: str, key: str) -> bool:
+    """Whether `tenant` is in its shard, or its shard has room for it."""
+    ledger = shards.get(shard_of(tenant, key))
+    if ledger is None or tenant in ledger.tenants:
+        return True
+    return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants) < MAX_SHARD_TENANTS
