@@ -162,56 +162,99 @@ def scrape_round(pods: int) -> dict[str, float]:
         server.shutdown()
 
 
-def tenant_metrics(pod: int, tenants: list[str]) -> str:
-    """A runtime's /metrics text for one pod serving `tenants` (each 1 request of 20 + 10 tokens)."""
+def tenant_metrics(pod: int, tenants: list[str], requests: dict[str, int] | None = None) -> str:
+    """A runtime's /metrics text for one pod serving `tenants` (each `requests` of 20 + 10 tokens; 1 unless
+    said)."""
+    counts = {tenant: (requests or {}).get(tenant, 1) for tenant in tenants}
+    total = sum(counts.values())
     head = (f'tally_runtime_info{{pod_uid="pod-{pod}"}} 1\ntally_start_time_seconds 1000\n'
-            f'tally_requests_total{{endpoint="chat",outcome="ok",finish_reason="stop"}} {len(tenants)}\n'
-            f"tally_prompt_tokens_total {20 * len(tenants)}\ntally_completion_tokens_total {10 * len(tenants)}\n"
+            f'tally_requests_total{{endpoint="chat",outcome="ok",finish_reason="stop"}} {total}\n'
+            f"tally_prompt_tokens_total {20 * total}\ntally_completion_tokens_total {10 * total}\n"
             "tally_cached_tokens_total 0\n")
     lines = []
-    for tenant in tenants:
-        lines += [f'tally_tenant_requests_total{{tenant="{tenant}"}} 1',
-                  f'tally_tenant_prompt_tokens_total{{tenant="{tenant}"}} 20',
-                  f'tally_tenant_completion_tokens_total{{tenant="{tenant}"}} 10',
+    for tenant, n in counts.items():
+        lines += [f'tally_tenant_requests_total{{tenant="{tenant}"}} {n}',
+                  f'tally_tenant_prompt_tokens_total{{tenant="{tenant}"}} {20 * n}',
+                  f'tally_tenant_completion_tokens_total{{tenant="{tenant}"}} {10 * n}',
                   f'tally_tenant_cached_tokens_total{{tenant="{tenant}"}} 0']
     return head + "\n".join(lines) + "\n"
 
 
 def books_round(pods: int, tenants: int) -> dict[str, Any]:
-    """One service's books with `tenants` in all over `pods` pods (each serves up to the per-pod bound)."""
+    """One service's books with `tenants` in all over `pods` pods (each serves up to the per-pod bound), a
+    default budget covering every tenant: the operator's own `plan` over its UsageShards (held as the API server
+    would, as JSON), three rounds: the first (every shard created), one in which every tenant was served again
+    (every shard changes), one in which one tenant was (one shard changes). The baseline, in the same run: the
+    same books as one ledger in memory (as the status kept them before the shards, there at most 1,000 tenants;
+    1.5 MiB is as much as one object can hold)."""
     import datetime
-    import tracemalloc
 
+    from tally_operator.bookkeeping import Observed, plan
     from tally_operator.budget import BudgetConfig, TenantBudget, budgets_status, plan_budgets, state_from_status
+    from tally_operator.observations import Observations
     from tally_operator.samples import MAX_TENANTS_PER_POD
+    from tally_operator.shards import Shard
     from tally_operator.usage import Round, book, ledger_from_status, ledger_status
 
     names = [f"tenant-{i:05d}" for i in range(tenants)]
     per_pod = min(MAX_TENANTS_PER_POD, tenants)
-    texts = {f"pod-{p}": tenant_metrics(p, [names[(p * per_pod + i) % tenants] for i in range(per_pod)])
-             for p in range(pods)}
+    served = {f"pod-{p}": [names[(p * per_pod + i) % tenants] for i in range(per_pod)] for p in range(pods)}
+    texts = {uid: tenant_metrics(int(uid[4:]), served[uid]) for uid in served}
     start = time.perf_counter()
     samples = {uid: parse_sample(text, uid) for uid, text in texts.items()}
     parse_seconds = time.perf_counter() - start
-    tracemalloc.start()
-    start = time.perf_counter()
-    before = ledger_from_status({})
-    booking = book(before, Round(samples, present=frozenset(samples)))
     config = BudgetConfig("total", TenantBudget(monthly_tokens=10**9))
     now = datetime.datetime.now(datetime.UTC)
-    planned = plan_budgets(config, before, booking.ledger, state_from_status({}), frozenset(samples), now,
-                           {uid: {} for uid in samples})
-    usage_bytes = len(json.dumps(ledger_status(booking.ledger)))
-    budgets_bytes = len(json.dumps(budgets_status(planned, config)))
-    plan_seconds = time.perf_counter() - start
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+
+    start = time.perf_counter()  # the baseline: the same books as one ledger (as in the status before the shards)
+    single = book(ledger_from_status({}), Round(samples, present=frozenset(samples)), capacity=tenants)
+    single_budgets = plan_budgets(config, ledger_from_status({}), single.ledger, state_from_status({}),
+                                  frozenset(samples), now, {uid: {} for uid in samples})
+    single_bytes = len(json.dumps(ledger_status(single.ledger))) + len(json.dumps(budgets_status(single_budgets,
+                                                                                                   config)))
+    single_seconds = time.perf_counter() - start
+
+    status: dict[str, Any] = {}
+    stored: dict[int, tuple[str, int]] = {}
+    rounds = []
+
+    def one_round(round_samples: dict[str, Any]) -> dict[str, Any]:
+        nonlocal status
+        begin = time.perf_counter()
+        read = {index: Shard(ledger_from_status(json.loads(body)["usage"]), str(rv), json.loads(body).get("budgets")
+                             or {}) for index, (body, rv) in stored.items()}
+        observed = Observed(1, [], {}, Round(round_samples, present=frozenset(round_samples)), budgets=config,
+                            serving=frozenset(round_samples), shards=read, shard_key="bench-key")
+        planned = plan(json.loads(json.dumps(status)), Observations(), observed, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        sizes = []
+        for index, shard_body in planned.shards.items():
+            text = json.dumps(shard_body, separators=(",", ":"))
+            sizes.append(len(text))
+            stored[index] = (text, stored.get(index, ("", 0))[1] + 1)
+        status = json.loads(json.dumps(planned.status))
+        seconds = time.perf_counter() - begin
+        return {"seconds": seconds, "shards_written": len(planned.shards), "largest_shard_written_bytes":
+                max(sizes, default=0), "status_bytes": len(json.dumps(status))}
+
+    rounds.append(one_round(samples))
+    twice = {uid: parse_sample(tenant_metrics(int(uid[4:]), served[uid], dict.fromkeys(served[uid], 2)), uid)
+             for uid in served}  # every tenant served once more on every pod: every shard changes
+    rounds.append(one_round(twice))
+    first = served["pod-0"][0]
+    once_more = {**twice, "pod-0": parse_sample(tenant_metrics(0, served["pod-0"], {
+        **dict.fromkeys(served["pod-0"], 2), first: 3}), "pod-0")}  # one tenant served once more: one shard
+    rounds.append(one_round(once_more))
+    tenants_booked = sum(len(json.loads(body)["usage"].get("tenants") or {}) for body, _ in stored.values())
     return {"pods": pods, "tenants": tenants, "tenants_per_pod": per_pod,
             "metrics_bytes_per_pod": len(next(iter(texts.values()))), "parse_seconds_all_pods": parse_seconds,
-            "ledger_tenants": len(booking.ledger.tenants), "tenants_folded": booking.ledger.tenants_folded,
-            "budgeted_tenants": len(planned.tenants), "book_and_plan_seconds": plan_seconds,
-            "status_usage_bytes": usage_bytes, "status_budgets_bytes": budgets_bytes,
-            "status_bytes": usage_bytes + budgets_bytes, "peak_python_mb": peak / 2**20}
+            "tenants_booked": tenants_booked, "shards": len(stored),
+            "largest_shard_bytes": max(len(body) for body, _ in stored.values()),
+            "all_shards_bytes": sum(len(body) for body, _ in stored.values()),
+            "rounds": rounds,
+            "baseline_one_ledger": {"seconds": single_seconds, "status_bytes": single_bytes,
+                                    "ledger_tenants": len(single.ledger.tenants)},
+            "first_round_vs_baseline": rounds[0]["seconds"] / single_seconds,
+            "process_peak_rss_mb": peak_rss_mb(os.getpid())}
 
 
 def main() -> None:

@@ -25,28 +25,24 @@ from tally_operator.budget import (
 )
 from tally_operator.conditions import Condition, Verdict, find, transitions
 from tally_operator.observations import Observations, advance, following
-from tally_operator.samples import Counters
 from tally_operator.shards import (
-    MAX_SHARD_TENANTS,
     Shard,
     has_room,
+    join_budgets,
     merged,
-    shard_of,
-    shard_rounds,
+    split_budgets,
     split_ledger,
     totals_ledger,
-    totals_round,
 )
 from tally_operator.status import build_status, without_times
+from tally_operator.tenant_books import book_sharded, changed_shards
 from tally_operator.usage import (
     Booking,
     Ledger,
     Round,
-    book,
     ledger_from_status,
     ledger_status,
     round_status,
-    shard_status,
 )
 from tally_operator.verdict import judge
 from tally_runtime.contract import OTHER_TENANT
@@ -80,7 +76,7 @@ class Plan:
     booking: Booking | None = None
     verdict: Verdict | None = None
     budgets: Planned | None = None  # the leases to send once the status holding them has landed
-    # UsageShards to write before the status (index -> their `usage`), each only if it changed
+    # UsageShards to write before the status (index -> their `usage` and `budgets`), each only if it changed
     shards: Mapping[int, dict[str, Any]] = field(default_factory=dict)
     ledger: Ledger | None = None  # the whole ledger after the round (the status's totals and every shard's tenants)
 
@@ -97,24 +93,21 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
         ledger = ledger_from_status(usage)
         persisted_key = usage.get("shardKey")
         key = persisted_key if isinstance(persisted_key, str) and persisted_key else observed.shard_key
-        if "shardKey" in usage:  # the tenants are in the shards
+        sharded = "shardKey" in usage
+        if sharded:  # the tenants are in the shards
             shards = {index: shard.ledger for index, shard in observed.shards.items()}
         else:  # the status still holds them (the layout before shards): they move, every shard written whole
             # (one an interrupted move wrote under another key too, empty: the status is what holds the books)
             shards = {**dict.fromkeys(observed.shards, Ledger()), **split_ledger(ledger, key)}
         before = merged(totals_ledger(ledger), shards)
-        untenanted = frozenset() if "shardKey" in usage else \
+        untenanted = frozenset() if sharded else \
             frozenset(uid for uid, r in ledger.readings.items() if r.tenants is None)
         booked, shard_bookings = book_sharded(totals_ledger(ledger), shards, observed.round, key, untenanted)
-        booking = replace(booked, ledger=merged(booked.ledger, {i: b.ledger for i, b in shard_bookings.items()}),
+        after_shards = {i: b.ledger for i, b in shard_bookings.items()}
+        booking = replace(booked, ledger=merged(booked.ledger, after_shards),
                           tenant_increase={t: c for b in shard_bookings.values() for t, c in b.tenant_increase.items()},
                           folded=sum(b.folded for b in shard_bookings.values()))
         whole = booking.ledger
-        for index, shard_booking in shard_bookings.items():
-            body = shard_status(shard_booking.ledger)
-            read = observed.shards.get(index)
-            if "shardKey" not in usage or read is None or shard_status(read.ledger) != body:
-                shard_writes[index] = body
         fresh = following(observations, before, persisted_verdict(previous))
         observations = advance(fresh, before, booking, observed.round)
         usage_verdict, observations = judge(observations, observed.round, observed.max_mismatch_ratio)
@@ -123,61 +116,24 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
                            "tenantCount": sum(1 for t in whole.tenants if t != OTHER_TENANT),
                            "tenantsFolded": whole.tenants_folded, **round_status(observed.round, now)}
         fields["usage"].pop("tenants", None)
+        budget_parts: dict[int, dict[str, Any]] = {}
         if observed.budgets is not None:
-            after_shards = {i: b.ledger for i, b in shard_bookings.items()}
-            budgets = plan_budgets(observed.budgets, before, whole,
-                                   state_from_status(previous.get("budgets") or {}), observed.serving,
+            persisted = previous.get("budgets") or {}
+            if "tenants" not in persisted:  # kept in the shards (else the status holds them: before the shards)
+                persisted = join_budgets(persisted, [shard.budgets for shard in observed.shards.values()])
+            budgets = plan_budgets(observed.budgets, before, whole, state_from_status(persisted), observed.serving,
                                    datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
                                    {uid: s.wanted for uid, s in observed.round.samples.items() if s.wanted},
                                    {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in observed.round.samples.items()
                                     if s.lease_seq},
                                    room=lambda tenant: has_room(after_shards, tenant, key))
-            fields["budgets"] = budgets_status(budgets, observed.budgets)
+            fields["budgets"], budget_parts = split_budgets(budgets_status(budgets, observed.budgets), key)
+        shard_writes = changed_shards(observed.shards, after_shards, budget_parts, rewrite=not sharded)
     status = build_status(previous, verdicts, now, observed.generation, fields, observed.keep)
     return Plan(status=status, changed=without_times(status) != without_times(previous),
                 transitions=transitions(previous.get("conditions") or [], status["conditions"]),
                 observations=observations, booking=booking, verdict=usage_verdict, budgets=budgets,
                 shards=shard_writes, ledger=whole)
-
-
-def book_sharded(totals: Ledger, shards: Mapping[int, Ledger], round_: Round, key: str,
-                 untenanted: frozenset[str] = frozenset()) -> tuple[Booking, dict[int, Booking]]:
-    """The round booked into the status's totals and into every shard, with one decision per pod: a pod whose
-    counters went down anywhere books nothing anywhere (shards.py). A pod the totals take as a baseline (an
-    upgrade from a status without readings) is one in every shard; `untenanted`: pods whose reading kept no
-    tenants (older still): a baseline in the shards, and what their totals rose by is booked to `other`, as
-    before the shards."""
-    rounds = shard_rounds(round_, key, shards)
-    baseline = untenanted | (frozenset() if totals.complete else frozenset(round_.samples) - set(totals.readings))
-    down: frozenset[str] = frozenset()
-    while True:
-        booked = book(totals, totals_round(round_), down=down)
-        bookings = {index: book(shards.get(index, Ledger()), part, MAX_SHARD_TENANTS, down, baseline)
-                    for index, part in rounds.items()}
-        seen = frozenset(booked.regressed).union(*(b.regressed for b in bookings.values()))
-        if seen <= down:
-            break
-        down = seen | down
-    rest = Counters()
-    for uid in sorted(untenanted - down):
-        reading, sample = totals.readings.get(uid), round_.samples.get(uid)
-        if reading is not None and sample is not None and sample.started == reading.epoch:
-            rest = rest.plus(sample.counters.increase_since(reading.counters).tenant_part())
-    if rest.any():
-        index = shard_of(OTHER_TENANT, key)
-        bookings[index] = with_other(bookings.get(index) or book(shards.get(index, Ledger()), Round({})), rest)
-    # A shard's sequence and lost pods are the status's to count: a shard changes only with its tenants' books
-    return booked, {index: replace(b, ledger=replace(b.ledger, sequence=0, unaccounted=0, complete=True))
-                    for index, b in bookings.items()}
-
-
-def with_other(booking: Booking, rest: Counters) -> Booking:
-    ledger = booking.ledger
-    tenants = {**ledger.tenants, OTHER_TENANT: ledger.tenants.get(OTHER_TENANT, Counters()).plus(rest)}
-    increase = {**booking.tenant_increase,
-                OTHER_TENANT: booking.tenant_increase.get(OTHER_TENANT, Counters()).plus(rest)}
-    return replace(booking, ledger=replace(ledger, tenants=tenants, totals=ledger.totals.plus(rest)),
-                   tenant_increase=increase)
 
 
 def persisted_verdict(status: Mapping[str, Any]) -> Verdict | None:

@@ -118,9 +118,9 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
             memory.observations = planned.observations
             return scraped
         try:
-            for index, usage in sorted(planned.shards.items()):
+            for index, shard_body in sorted(planned.shards.items()):
                 read = shards.get(index)
-                await asyncio.to_thread(write_shard, ctx.kube, meta, index, usage,
+                await asyncio.to_thread(write_shard, ctx.kube, meta, index, shard_body,
                                         read.resource_version if read is not None else None)
             await asyncio.to_thread(ctx.kube.replace_status, c.API_VERSION, c.KIND, meta["name"],
                                     meta["namespace"], planned.status, str(meta["resourceVersion"]))

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from tally_operator.samples import Counters
+from tally_operator.shards import MAX_SHARD_TENANTS, SHARDS
 from tally_operator.usage import MAX_LEDGER_TENANTS, Ledger, Reading
 from tally_runtime.contract import OTHER_TENANT
 from tally_runtime.units import Weights, label_weights, message_unit
@@ -418,4 +419,5 @@ def state_from_status(raw: Mapping[str, object]) -> BudgetState:
                        count if isinstance(count, str) and is_unit(count) else "")
 
 
-MAX_ENTRIES = 2000  # tenants or leases read from a status (the ledger keeps 1,001 tenants)
+# Tenants planned, or leases read, per service: as many as its shards hold (shards.py); beyond, refused
+MAX_ENTRIES = SHARDS * MAX_SHARD_TENANTS

@@ -18,6 +18,7 @@ from tally_operator.conditions import Verdict, set_condition
 from tally_operator.context import Context
 from tally_operator.kube import KubeError
 from tally_operator.platform import BudgetSpecError, PlatformBudget, covering, parse_budget
+from tally_operator.shard_store import with_shard_budgets
 from tally_operator.slices import ServiceReport, plan_slices, report_of, slices_status, state_from_budget_status
 from tally_operator.status import without_times
 
@@ -101,8 +102,13 @@ async def _covered(ctx: Context, budget: PlatformBudget) -> tuple[list[dict[str,
                 raise
             unreadable.append(namespace)
             continue
-        services += [s for s in listed if budget.covers(namespace, s["metadata"]["name"],
-                                                        s["metadata"].get("labels") or {})]
+        covered = [s for s in listed if budget.covers(namespace, s["metadata"]["name"],
+                                                      s["metadata"].get("labels") or {})]
+        if covered:  # each service's tenants under the budget are in its UsageShards
+            shards = await asyncio.to_thread(ctx.kube.list, c.API_VERSION, c.SHARD_KIND, namespace,
+                                             c.LABEL_SHARD_OWNER)
+            covered = [with_shard_budgets(s, shards) for s in covered]
+        services += covered
     return services, unreadable
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,28 +31,38 @@ class Counters:
     mismatches: float = 0.0
     derived_requests: float = 0.0
 
+    def values(self) -> tuple[float, ...]:
+        return (self.requests, self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.mismatches,
+                self.derived_requests)
+
     def increase_since(self, other: Counters) -> Counters:
         """Increase since `other` under one epoch: a counter that went down adds nothing (never a reset:
         a reset comes with a new epoch, and the caller then passes zero counters)."""
-        return Counters(**{f.name: max(0.0, getattr(self, f.name) - getattr(other, f.name)) for f in fields(self)})
+        return Counters(max(0.0, self.requests - other.requests), max(0.0, self.prompt_tokens - other.prompt_tokens),
+                        max(0.0, self.completion_tokens - other.completion_tokens),
+                        max(0.0, self.cached_tokens - other.cached_tokens),
+                        max(0.0, self.mismatches - other.mismatches),
+                        max(0.0, self.derived_requests - other.derived_requests))
 
     def below(self, other: Counters) -> bool:
         """Whether any counter is lower than in `other`."""
-        return any(getattr(self, f.name) < getattr(other, f.name) for f in fields(self))
+        return any(a < b for a, b in zip(self.values(), other.values(), strict=True))
 
     def plus(self, other: Counters) -> Counters:
-        return Counters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return Counters(self.requests + other.requests, self.prompt_tokens + other.prompt_tokens,
+                        self.completion_tokens + other.completion_tokens, self.cached_tokens + other.cached_tokens,
+                        self.mismatches + other.mismatches, self.derived_requests + other.derived_requests)
 
     def any(self) -> bool:
-        return any(getattr(self, f.name) for f in fields(self))
+        return any(self.values())
 
     def tenant_part(self) -> Counters:
         """Only the fields counted per tenant (requests and the three token counts)."""
-        return Counters(**{name: getattr(self, name) for name in TENANT_FIELDS})
+        return Counters(self.requests, self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def capped(self, limit: float) -> Counters:
         """Each counter at most `limit` (a total the status can always hold as an exact integer)."""
-        return Counters(**{f.name: min(limit, getattr(self, f.name)) for f in fields(self)})
+        return Counters(*(min(limit, value) for value in self.values()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from typing import Any
 from tally_operator import constants as c
 from tally_operator.desired import owner_reference
 from tally_operator.kube import Kube
-from tally_operator.shards import MAX_SHARD_BYTES, SHARDS, Shard, merged, shard_name, totals_ledger
+from tally_operator.shards import MAX_SHARD_BYTES, SHARDS, Shard, join_budgets, merged, shard_name, totals_ledger
 from tally_operator.usage import Ledger, controller_uid, ledger_from_status
 
 
@@ -39,26 +39,28 @@ def owned_shards(items: list[dict[str, Any]], meta: Mapping[str, Any]) -> dict[i
         if controller_uid(item) != meta["uid"] or item_meta.get("name") != shard_name(meta["name"], index) or \
                 not isinstance(usage, Mapping):
             continue
-        shards[index] = Shard(ledger_from_status(usage), str(item_meta.get("resourceVersion")))
+        budgets = item.get("budgets")
+        shards[index] = Shard(ledger_from_status(usage), str(item_meta.get("resourceVersion")),
+                              budgets if isinstance(budgets, Mapping) else {})
     return shards
 
 
-def shard_object(meta: Mapping[str, Any], index: int, usage: Mapping[str, Any],
+def shard_object(meta: Mapping[str, Any], index: int, body: Mapping[str, Any],
                  resource_version: str | None) -> dict[str, Any]:
-    """PURE: shard `index` of the service as written."""
-    tenants = usage.get("tenants")
+    """PURE: shard `index` of the service as written (`body`: its `usage` and `budgets`)."""
+    tenants = (body.get("usage") or {}).get("tenants")
     return {"apiVersion": c.API_VERSION, "kind": c.SHARD_KIND,
             "metadata": {"name": shard_name(meta["name"], index), "namespace": meta["namespace"],
                          "labels": {c.LABEL_SHARD_OWNER: meta["uid"], "app.kubernetes.io/managed-by": "tally"},
                          "ownerReferences": [owner_reference(meta)],
                          **({"resourceVersion": resource_version} if resource_version else {})},
             "service": meta["name"], "shard": index,
-            "tenantCount": len(tenants) if isinstance(tenants, Mapping) else 0, "usage": dict(usage)}
+            "tenantCount": len(tenants) if isinstance(tenants, Mapping) else 0, **body}
 
 
-def write_shard(kube: Kube, meta: Mapping[str, Any], index: int, usage: Mapping[str, Any],
+def write_shard(kube: Kube, meta: Mapping[str, Any], index: int, body: Mapping[str, Any],
                 resource_version: str | None) -> None:
-    obj = shard_object(meta, index, usage, resource_version)
+    obj = shard_object(meta, index, body, resource_version)
     size = len(json.dumps(obj, separators=(",", ":")))
     if size > MAX_SHARD_BYTES:  # never written: the bounds in shards.py keep a shard below this
         raise ShardTooLarge(f"UsageShard {obj['metadata']['name']} would be {size} bytes (at most {MAX_SHARD_BYTES})")
@@ -74,3 +76,14 @@ def whole_ledger(kube: Kube, meta: Mapping[str, Any], usage: Mapping[str, Any]) 
     if "shardKey" not in usage:  # the layout before shards: the status holds the tenants
         return ledger
     return merged(totals_ledger(ledger), {index: shard.ledger for index, shard in read_shards(kube, meta).items()})
+
+
+def with_shard_budgets(service: Mapping[str, Any], items: list[dict[str, Any]]) -> dict[str, Any]:
+    """PURE: the service with its status.budgets whole: its tenants' parts joined from its shards among `items`
+    (a status written before the shards holds them itself)."""
+    status = dict(service.get("status") or {})
+    budgets = status.get("budgets")
+    if not isinstance(budgets, Mapping) or "tenants" in budgets:
+        return dict(service)
+    parts = [shard.budgets for shard in owned_shards(items, service.get("metadata") or {}).values()]
+    return {**service, "status": {**status, "budgets": {**budgets, **join_budgets(budgets, parts)}}}

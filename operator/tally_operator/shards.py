@@ -20,8 +20,9 @@ most its tenants times the pods.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tally_operator.samples import Counters, PodSample
 from tally_operator.usage import Ledger, Reading, Round, Tenants
@@ -34,10 +35,12 @@ MAX_SHARD_BYTES = 256 << 10  # no shard written is larger (etcd refuses about 1.
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """One UsageShard as read: its ledger and the resourceVersion a write must replace (None: not created)."""
+    """One UsageShard as read: its ledger, its part of the budgets, and the resourceVersion a write must replace
+    (None: not created)."""
 
     ledger: Ledger
     resource_version: str | None = None
+    budgets: Mapping[str, Any] = field(default_factory=dict)  # its part of status.budgets (split_budgets)
 
 
 def shard_of(tenant: str, key: str) -> int:
@@ -131,3 +134,50 @@ def has_room(shards: Mapping[int, Ledger], tenant: str, key: str) -> bool:
     if ledger is None or tenant in ledger.tenants:
         return True
     return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants) < MAX_SHARD_TENANTS
+
+
+BUDGET_MAPS = ("tenants", "periodStart", "lost")  # status.budgets' maps by tenant, kept in the shards
+
+
+def split_budgets(raw: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """`status.budgets` as budget.budgets_status writes it -> what the status keeps (the period, the count, each
+    lease's pod, epoch and number; how many tenants) and each shard's part (its tenants' entries in the maps,
+    and per pod their allowances)."""
+    kept: dict[str, Any] = {k: v for k, v in raw.items() if k not in BUDGET_MAPS and k != "leases"}
+    parts: dict[int, dict[str, Any]] = {}
+    for name in BUDGET_MAPS:
+        for tenant, value in (raw.get(name) or {}).items():
+            parts.setdefault(shard_of(tenant, key), {}).setdefault(name, {})[tenant] = value
+    leases = []
+    for lease in raw.get("leases") or []:
+        leases.append({k: v for k, v in lease.items() if k != "tenants"})
+        for tenant, allowance in (lease.get("tenants") or {}).items():
+            part = parts.setdefault(shard_of(tenant, key), {}).setdefault("leases", {})
+            part.setdefault(lease["uid"], {})[tenant] = allowance
+    tenants = raw.get("tenants") or {}
+    kept.update(leases=leases, tenantCount=len(tenants),
+                exhausted=sum(1 for view in tenants.values() if view.get("remaining") == 0))
+    return kept, {index: {name: dict(sorted(part[name].items())) for name in sorted(part)}
+                  for index, part in parts.items()}
+
+
+def join_budgets(kept: Mapping[str, Any], parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The inverse of `split_budgets`: `status.budgets` whole, for budget.state_from_status (which bounds and
+    checks what it reads: the shards are input too)."""
+    joined: dict[str, Any] = {k: v for k, v in kept.items() if k not in ("tenantCount", "exhausted")}
+    for name in BUDGET_MAPS:
+        joined[name] = {}
+    allowances: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name in BUDGET_MAPS:
+            value = part.get(name)
+            if isinstance(value, Mapping):
+                joined[name].update(value)
+        leases = part.get("leases")
+        for uid, tenants in (leases.items() if isinstance(leases, Mapping) else []):
+            if isinstance(tenants, Mapping):
+                allowances.setdefault(str(uid), {}).update(tenants)
+    listed = kept.get("leases")
+    joined["leases"] = [{**lease, "tenants": allowances.get(str(lease.get("uid")), {})}
+                        for lease in (listed if isinstance(listed, list) else []) if isinstance(lease, Mapping)]
+    return joined

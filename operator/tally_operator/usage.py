@@ -99,6 +99,10 @@ def book(ledger: Ledger, round_: Round, capacity: int = MAX_LEDGER_TENANTS, down
     tenant_increase: dict[str, Counters] = {}
     for uid, sample in sorted(round_.samples.items()):
         before = readings.get(uid)
+        if before is not None and uid not in down and _unchanged(before, sample):
+            if before.final != sample.final:
+                readings[uid] = Reading(before.counters, before.epoch, sample.final, before.tenants)
+            continue  # nothing new on this pod (most pods of a shard, round after round)
         new = uid not in baseline if baseline is not None else ledger.complete
         base, tenant_base = _base(new, before, sample)
         if before is not None and sample.started != before.epoch:
@@ -136,6 +140,11 @@ def book(ledger: Ledger, round_: Round, capacity: int = MAX_LEDGER_TENANTS, down
                     tenants={name: c.capped(MAX_COUNT) for name, c in tenants.items()},
                     tenants_folded=ledger.tenants_folded + folded)
     return Booking(booked, increase, lost, tuple(regressed), tenant_increase, folded)
+
+
+def _unchanged(before: Reading, sample: PodSample) -> bool:
+    return before.epoch == sample.started and before.counters == sample.counters and \
+        (before.tenants if before.tenants is not None else {}) == sample.tenants
 
 
 def _base(new: bool, before: Reading | None, sample: PodSample) -> tuple[Counters, Tenants]:

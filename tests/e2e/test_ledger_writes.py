@@ -367,14 +367,14 @@ def test_the_budgets_status_round_trip_defers_a_count_changed_mid_month(writers:
 
     pod.serve(100, "acme")
     asyncio.run(operator.pass_on(body, asking(frozenset(f"made-up-{i}" for i in range(300)))))
-    first = kube.json("get", "completionservice", "books")["status"]["budgets"]
+    first = status(kube, "books")["budgets"]
     assert len(first["tenants"]) == 301  # acme and the 300 asked for (a default covers them)
     assert first["tenants"]["acme"]["spent"] == 0  # the month is counted from the round the budgets first apply
     pod.serve(100, "acme")
     completion = dataclasses.replace(config, count="completion")
     asyncio.run(operator.pass_on(dict(kube.json("get", "completionservice", "books")),
                                  asking(frozenset(), completion)))
-    third = kube.json("get", "completionservice", "books")["status"]["budgets"]
+    third = status(kube, "books")["budgets"]
     assert (third["count"], third["pendingCount"]) == ("total", "completion")
     assert third["tenants"]["acme"]["spent"] == 100
 

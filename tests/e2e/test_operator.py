@@ -150,6 +150,13 @@ def test_namespace_users_get_completion_services_through_the_standard_roles(
     eventually(lambda: can("writer", "create") == "yes" and can("reader", "list") == "yes", 60, interval=1,
                what="edit and view aggregating the chart's rules")
     assert can("reader", "create") == "no" and can("writer", "delete") == "yes"
+    # a service's books (its UsageShards) are read by both and written by the operator alone
+    def on_shards(who: str, verb: str) -> str:
+        return kube("auth", "can-i", verb, "usageshards.serving.tally.dev",
+                    f"--as=system:serviceaccount:{namespace}:{who}", check=False).strip()
+
+    assert on_shards("reader", "list") == on_shards("writer", "get") == "yes"
+    assert {on_shards("writer", verb) for verb in ("create", "update", "patch", "delete")} == {"no"}
 
 
 def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperator, kubectl: Kubectl,
@@ -169,7 +176,8 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
                                                                ["budgets/status"]]
     assert "create" not in cluster_role["rules"][1]["verbs"] and "delete" not in cluster_role["rules"][1]["verbs"]
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"} == \
-        {"completionservices.serving.tally.dev", "budgets.serving.tally.dev"}  # cluster-scoped whatever it watches
+        {"completionservices.serving.tally.dev", "budgets.serving.tally.dev",
+         "usageshards.serving.tally.dev"}  # cluster-scoped whatever it watches
     names = {o["metadata"]["name"] for o in objects
              if o["kind"] not in {"Service", "Secret", "ClusterRole", "CustomResourceDefinition"}}
     assert names == {"tally-team-a", "tally-team-a-reach"}  # the operator's reach policy beside the others

@@ -11,6 +11,7 @@ import yaml
 from kube_harness import ROOT, Kubectl, eventually, in_cluster
 
 from tally_operator.report import FIELDS, rows
+from tally_operator.shard_store import with_shard_budgets
 
 MODEL = "smollm2-135m-instruct"
 
@@ -25,7 +26,7 @@ def service(name: str = "smollm", replicas: int = 2) -> dict[str, Any]:
 
 def status(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
     """The service's status, with its tenants read from its UsageShards as `tally-usage` reads them (in
-    `usage.tenants`, where the status kept them before the shards)."""
+    `usage.tenants` and `budgets`, where the status kept them before the shards)."""
     obj = kube.json("get", "completionservice", name)
     found = dict(obj.get("status") or {})
     usage = found.get("usage") or {}
@@ -33,6 +34,7 @@ def status(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
         shards = kube.json("get", "usageshards", "-l", f"serving.tally.dev/service-uid={obj['metadata']['uid']}")
         lines = rows({"kind": "List", "items": [obj, *shards["items"]]})
         found["usage"] = {**usage, "tenants": {r.tenant: dict(zip(FIELDS, r.counts, strict=True)) for r in lines}}
+        found = with_shard_budgets({**obj, "status": found}, shards["items"])["status"]
     return found
 
 

@@ -51,7 +51,8 @@ class Store:
         self.largest = 0
 
     def observed(self, round_: Round, budgets: BudgetConfig | None = None) -> Observed:
-        read = {index: Shard(ledger_from_status(json.loads(body)), str(rv))
+        read = {index: Shard(ledger_from_status(json.loads(body)["usage"]), str(rv),
+                             json.loads(body).get("budgets") or {})
                 for index, (body, rv) in self.shards.items()}
         return Observed(1, [], {}, round_, budgets=budgets, serving=frozenset(round_.samples), shards=read,
                         shard_key="k" * 32)
@@ -73,7 +74,7 @@ class Store:
     def tenants(self) -> dict[str, Counters]:
         out: dict[str, Counters] = {}
         for body, _ in self.shards.values():
-            for name, counters in ledger_from_status(json.loads(body)).tenants.items():
+            for name, counters in ledger_from_status(json.loads(body)["usage"]).tenants.items():
                 out[name] = out.get(name, Counters()).plus(counters)
         return out
 
@@ -184,7 +185,7 @@ def test_the_status_before_shards_moves_into_them_once_and_an_interrupted_move_l
         served["t0"] = served["t0"].plus(pod.serve("t0", 1, 1))
     planned = plan(json.loads(json.dumps(store.status)), Observations(),
                    Observed(1, [], {}, Round({p.uid: p.sample() for p in pods}), shards={
-                       index: Shard(ledger_from_status(json.loads(body)), str(rv))
+                       index: Shard(ledger_from_status(json.loads(body)["usage"]), str(rv))
                        for index, (body, rv) in store.shards.items()}, shard_key="another-key"), NOW)
     assert set(store.shards) <= set(planned.shards)  # every shard the first attempt wrote is written again
     for index, usage in planned.shards.items():
@@ -213,7 +214,7 @@ def test_a_full_shard_folds_to_other_and_a_budget_refuses_the_tenant(monkeypatch
     """A tenant whose shard is full is booked to `other` (its totals kept), and never granted under a budget:
     its pods are told it is untracked."""
     monkeypatch.setattr(sharding, "MAX_SHARD_TENANTS", 2)
-    monkeypatch.setattr("tally_operator.bookkeeping.MAX_SHARD_TENANTS", 2)
+    monkeypatch.setattr("tally_operator.tenant_books.MAX_SHARD_TENANTS", 2)
     key = "k" * 32
     same = sorted([name for name in (f"n{i}" for i in range(2000)) if shard_of(name, key) == 0][:3])
     pod = Pod("pod-a")
@@ -257,3 +258,36 @@ def test_statuses_from_before_readings_and_before_tenant_readings_keep_their_sum
     books = store.tenants()
     assert books["beta"].completion_tokens == 5 and store.totals().completion_tokens == 65
     assert sum(c.completion_tokens for c in books.values()) == 65
+
+
+def test_the_budgets_of_thousands_of_tenants_live_in_the_shards_and_read_back_whole() -> None:
+    """3,000 tenants under a default budget (past the 2,000 the status could plan before): every one is planned
+    and leased, none refused as untracked; the status keeps no tenant, the shards keep their views, period
+    starts and each pod's allowances, and the next round reads back exactly the state the last one planned."""
+    from tally_operator.budget import state_from_status
+    from tally_operator.shards import join_budgets
+
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=100))
+    pods = [Pod(f"pod-{i}") for i in range(4)]
+    names = [f"t{i:04d}" for i in range(3000)]
+    for i, pod in enumerate(pods):
+        for name in names[i * 750:(i + 1) * 750]:
+            pod.serve(name, 5, 5)
+    store = Store()
+    asking = Round({p.uid: replace(p.sample(), wanted=dict.fromkeys(p.tenants, 20)) for p in pods})
+    first = store.commit(asking, budgets=config)
+    assert first.budgets is not None and len(first.budgets.tenants) == 3000
+    assert not any(told.get("untracked") for message in first.budgets.messages.values()
+                   for told in message["tenants"].values())  # type: ignore[attr-defined]
+    assert all(message["tenants"][name]["allowance"] >= 10 + 20  # type: ignore[index]  # the ask, granted
+               for pod, message in zip(pods, first.budgets.messages.values(), strict=True) for name in pod.tenants)
+    kept = store.status["budgets"]
+    assert "tenants" not in kept and kept["tenantCount"] == 3000 and all("tenants" not in lease
+                                                                          for lease in kept["leases"])
+    assert len(json.dumps(store.status)) < 8 << 10
+    parts = [json.loads(body).get("budgets") or {} for body, _ in store.shards.values()]
+    assert sum(len(part.get("tenants", {})) for part in parts) == 3000
+    assert state_from_status(join_budgets(kept, parts)) == first.budgets.state
+    pods[0].serve("t0000", 5, 5)  # spend counts from the round the budgets first applied
+    second = store.commit(Round({p.uid: p.sample() for p in pods}), budgets=config)
+    assert second.budgets is not None and second.budgets.tenants["t0000"].spent == 10
