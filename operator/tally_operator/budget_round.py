@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tally_operator import constants as c
 from tally_operator.budget import WARN_AT
+from tally_operator.budget_shards import ShardedRound, plan_round, read_shards, write_shard
 from tally_operator.conditions import Verdict, set_condition
 from tally_operator.context import Context
 from tally_operator.kube import KubeError
 from tally_operator.platform import BudgetSpecError, PlatformBudget, covering, parse_budget
 from tally_operator.shard_store import with_shard_budgets
-from tally_operator.slices import ServiceReport, plan_slices, report_of, slices_status, state_from_budget_status
+from tally_operator.slices import ServiceReport, report_of
 from tally_operator.status import without_times
 
 log = logging.getLogger("tally_operator")
@@ -52,15 +54,18 @@ def verdict(reports: Mapping[str, ServiceReport], unreadable: Sequence[str], inv
 
 
 async def budget_round(ctx: Context, name: str, platform: Sequence[PlatformBudget]) -> bool:
-    """One round; False when the Budget is gone. Transient API errors leave as KubeError (the caller retries)."""
+    """One round; False when the Budget is gone. Transient API errors leave as KubeError (the caller retries).
+    The tenants' parts of the status are in the Budget's BudgetShards: read with it, written before it, each
+    only when it changed (budget_shards.py)."""
     for _ in range(MAX_WRITES):
         obj = await asyncio.to_thread(ctx.kube.get, c.API_VERSION, c.BUDGET_KIND, name, None)
         if obj is None:
             return False
-        meta, previous = obj["metadata"], obj.get("status") or {}
+        meta, kept = obj["metadata"], obj.get("status") or {}
+        shards = await asyncio.to_thread(read_shards, ctx.kube, meta["uid"])
         generation = int(meta.get("generation") or 0)
         now = datetime.datetime.now(datetime.UTC)
-        fields: dict[str, Any] = {}
+        planned: ShardedRound | None = None
         try:
             budget = parse_budget(obj)
         except BudgetSpecError as error:
@@ -70,26 +75,37 @@ async def budget_round(ctx: Context, name: str, platform: Sequence[PlatformBudge
             services, unreadable = await _covered(ctx, budget)
             others = [b for b in platform if b.uid != budget.uid] + [budget]
             reports = {s["metadata"]["uid"]: report(s, budget, others) for s in services}
-            planned = plan_slices(budget, state_from_budget_status(previous), reports, now)
-            fields = slices_status(planned)
+            planned = plan_round(budget, kept, shards, reports, now, shard_key(ctx, meta["uid"]))
             result = verdict(reports, unreadable, "")
+        fields = planned.fields if planned is not None else {}
+        writes = planned.writes if planned is not None else {}
         stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        status = {**({k: v for k, v in previous.items() if k not in ("conditions", "observedGeneration")}
+        status = {**({k: v for k, v in kept.items() if k not in ("conditions", "observedGeneration")}
                      if not fields else {}), **fields, "observedGeneration": generation,
-                  "conditions": set_condition(list(previous.get("conditions") or []), result, stamp, generation)}
-        if without_times(status) == without_times(previous):
+                  "conditions": set_condition(list(kept.get("conditions") or []), result, stamp, generation)}
+        if not writes and without_times(status) == without_times(kept):
             return True
         try:
+            for index, part in writes.items():
+                assert planned is not None
+                await asyncio.to_thread(write_shard, ctx.kube, {"name": name, "uid": meta["uid"]}, index, part,
+                                        planned.seq, shards[index].resource_version if index in shards else None)
             await asyncio.to_thread(ctx.kube.replace_status, c.API_VERSION, c.BUDGET_KIND, name, None, status,
                                     str(meta["resourceVersion"]))
         except KubeError as error:
             if error.conflict:
                 continue
             raise
-        if fields:
-            _landed(ctx, name, previous, status, reports)
+        if planned is not None:
+            _landed(ctx, name, planned.previous, planned.whole, reports)
         return True
     raise KubeError(409, f"Budget {name}'s status changed under {MAX_WRITES} writes in a row")
+
+
+def shard_key(ctx: Context, uid: str) -> str:
+    """The hash key of a Budget's shards: the same in every operator holding the chart's signing key, and no
+    client can compute where a name goes."""
+    return hashlib.sha256(ctx.signer.sign(f"budget-shards/{uid}".encode()).encode()).hexdigest()[:32]
 
 
 async def _covered(ctx: Context, budget: PlatformBudget) -> tuple[list[dict[str, Any]], list[str]]:

@@ -7,6 +7,9 @@ KIND = "CompletionService"
 PLURAL = "completionservices"
 SHARD_KIND = "UsageShard"  # a service's per-tenant books, by tenant (shards.py)
 LABEL_SHARD_OWNER = f"{GROUP}/service-uid"  # the uid of the CompletionService a UsageShard belongs to
+BUDGET_SHARD_KIND = "BudgetShard"  # a Budget's per-tenant slices, by tenant (shards.split_slices)
+BUDGET_SHARD_PLURAL = "budgetshards"
+LABEL_BUDGET_OWNER = f"{GROUP}/budget-uid"  # the uid of the Budget a BudgetShard belongs to
 BUDGET_KIND = "Budget"  # cluster-scoped: the platform team's (platform.py)
 BUDGET_PLURAL = "budgets"
 

@@ -20,6 +20,7 @@ import kopf
 from tally_operator import constants as c
 from tally_operator.asks import asked
 from tally_operator.budget_round import budget_round
+from tally_operator.budget_shards import joined_status, owned
 from tally_operator.collector import Forwarder
 from tally_operator.context import Context, ServiceMemory
 from tally_operator.kube import Kube, KubeError
@@ -120,15 +121,23 @@ def budget_index(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, An
     return {name: {"metadata": dict(body.meta), "spec": dict(body.spec), "status": dict(body.get("status") or {})}}
 
 
+@kopf.index(c.GROUP, c.VERSION, c.BUDGET_SHARD_PLURAL)
+def budget_shard_index(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, dict[str, Any]]:
+    """The Budgets' shards (their tenants' months and slices), by the Budget's uid."""
+    return {str(labels.get(c.LABEL_BUDGET_OWNER, "")): dict(body)}
+
+
 def platform(kwargs: Mapping[str, Any]) -> list[PlatformBudget]:
-    """The Budgets a handler was given (the index); one that cannot be read covers nothing (its own status says
-    why)."""
-    index = kwargs.get("budget_index")
+    """The Budgets a handler was given (the index), each status joined with its shards (budget_shards.py); one
+    that cannot be read covers nothing (its own status says why)."""
+    index, shard_index = kwargs.get("budget_index"), kwargs.get("budget_shard_index")
     budgets = []
     for store in (index.values() if index is not None else []):
         for obj in store:
+            uid = str((obj.get("metadata") or {}).get("uid", ""))
+            shards = owned(shard_index.get(uid, []) if shard_index is not None else [], uid)
             try:
-                budgets.append(parse_budget(obj))
+                budgets.append(parse_budget({**obj, "status": joined_status(obj.get("status") or {}, shards)}))
             except BudgetSpecError:
                 continue
     return budgets

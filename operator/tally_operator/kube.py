@@ -164,6 +164,6 @@ class Kube:
         return self.list("v1", "Pod", namespace, selector)
 
     @_sorted_errors
-    def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[Obj]:
+    def list(self, api_version: str, kind: str, namespace: str | None, selector: str) -> list[Obj]:
         result = self._resource(api_version, kind).get(namespace=namespace, label_selector=selector)
         return [dict(item) for item in result.to_dict().get("items", [])]

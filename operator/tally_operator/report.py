@@ -4,7 +4,7 @@ Prometheus; with `--since`, the usage of a period: the difference from a snapsho
     kubectl get completionservices,usageshards -A -o json > 2026-12.json          # at the start of the period
     kubectl get completionservices,usageshards -A -o json | tally-usage --since 2026-12.json
     kubectl get completionservices,usageshards -A -o json | tally-usage --tenant acme   # one tenant's lines
-    kubectl get budgets -o json | tally-usage                          # each tenant's month under each Budget
+    kubectl get budgets,budgetshards -o json | tally-usage       # each tenant's month under each Budget
 
 The ledger's totals only rise while a CompletionService exists, so the difference of two snapshots of one
 service is exactly what it booked in between. A service deleted and created again has a new uid and a new
@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tally_operator.budget_shards import joined_status, owned
 
 FIELDS = ("requests", "promptTokens", "completionTokens", "cachedTokens")
 MAX_INPUT_BYTES = 256 << 20
@@ -87,13 +89,17 @@ class BudgetRow:
 
 
 def budget_rows(document: Mapping[str, Any]) -> list[BudgetRow]:
-    """Every tenant's month of every platform Budget in `kubectl get budgets -o json` output."""
+    """Every tenant's month of every platform Budget in `kubectl get budgets,budgetshards -o json` output (the
+    tenants are in each Budget's BudgetShards; a status written before them holds them itself)."""
     items = document.get("items") if document.get("kind", "").endswith("List") else [document]
+    items = [item for item in items if isinstance(item, Mapping)] if isinstance(items, list) else []
+    shards = [item for item in items if item.get("kind") == "BudgetShard"]
     found = []
-    for item in items if isinstance(items, list) else []:
-        if not isinstance(item, Mapping) or item.get("kind") != "Budget":
+    for item in items:
+        if item.get("kind") != "Budget":
             continue
-        status = item.get("status") or {}
+        uid = str((item.get("metadata") or {}).get("uid", ""))
+        status = joined_status(item.get("status") or {}, owned(shards, uid))
         tenants = status.get("tenants") or {}
         for tenant, counts in sorted(tenants.items() if isinstance(tenants, Mapping) else []):
             if isinstance(counts, Mapping):
@@ -167,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"budgetObject": month.budget, "period": month.period, "tenant": month.tenant,
                               **dict(zip(BUDGET_FIELDS, month.counts, strict=True))}))
         return 0
-    if months and not found:  # `kubectl get budgets -o json`
+    if months and not found:  # `kubectl get budgets,budgetshards -o json`
         _print([("BUDGET", "PERIOD", "TENANT", "LIMIT", "SPENT", "HELD", "REMAINING"),
                 *((m.budget, m.period, m.tenant, *map(str, m.counts)) for m in months)], 3)
         return 0

@@ -136,48 +136,88 @@ def has_room(shards: Mapping[int, Ledger], tenant: str, key: str) -> bool:
     return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants) < MAX_SHARD_TENANTS
 
 
+def split_by_tenant(raw: Mapping[str, Any], maps: tuple[str, ...], listed: str, key: str
+                    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """A status whose per-tenant parts go to shards: its `maps` (tenant -> value) and the `tenants` map of each
+    item of its list `listed` (items named by `uid`) -> what the status keeps (the rest, the list's items without
+    their tenants, and how many tenants there are and how many have nothing left) and each shard's part."""
+    kept: dict[str, Any] = {k: v for k, v in raw.items() if k not in maps and k != listed}
+    parts: dict[int, dict[str, Any]] = {}
+    for name in maps:
+        for tenant, value in (raw.get(name) or {}).items():
+            parts.setdefault(shard_of(tenant, key), {}).setdefault(name, {})[tenant] = value
+    items = []
+    for item in raw.get(listed) or []:
+        items.append({k: v for k, v in item.items() if k != "tenants"})
+        for tenant, value in (item.get("tenants") or {}).items():
+            part = parts.setdefault(shard_of(tenant, key), {}).setdefault(listed, {})
+            part.setdefault(item["uid"], {})[tenant] = value
+    tenants = raw.get("tenants") or {}
+    kept.update({listed: items, "tenantCount": len(tenants),
+                 "exhausted": sum(1 for view in tenants.values() if view.get("remaining") == 0)})
+    return kept, {index: {name: dict(sorted(part[name].items())) for name in sorted(part)}
+                  for index, part in parts.items()}
+
+
+def join_by_tenant(kept: Mapping[str, Any], parts: Iterable[Mapping[str, Any]], maps: tuple[str, ...],
+                   listed: str) -> dict[str, Any]:
+    """The inverse of `split_by_tenant`: the status whole (its reader bounds and checks what it reads: the
+    shards are input too)."""
+    joined: dict[str, Any] = {k: v for k, v in kept.items() if k not in ("tenantCount", "exhausted")}
+    for name in maps:
+        joined[name] = {}
+    inner: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name in maps:
+            value = part.get(name)
+            if isinstance(value, Mapping):
+                joined[name].update(value)
+        nested = part.get(listed)
+        for uid, tenants in (nested.items() if isinstance(nested, Mapping) else []):
+            if isinstance(tenants, Mapping):
+                inner.setdefault(str(uid), {}).update(tenants)
+    items = kept.get(listed)
+    joined[listed] = [{**item, "tenants": inner.get(str(item.get("uid")), {})}
+                      for item in (items if isinstance(items, list) else []) if isinstance(item, Mapping)]
+    return joined
+
+
 BUDGET_MAPS = ("tenants", "periodStart", "lost")  # status.budgets' maps by tenant, kept in the shards
 
 
 def split_budgets(raw: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """`status.budgets` as budget.budgets_status writes it -> what the status keeps (the period, the count, each
-    lease's pod, epoch and number; how many tenants) and each shard's part (its tenants' entries in the maps,
-    and per pod their allowances)."""
-    kept: dict[str, Any] = {k: v for k, v in raw.items() if k not in BUDGET_MAPS and k != "leases"}
-    parts: dict[int, dict[str, Any]] = {}
-    for name in BUDGET_MAPS:
-        for tenant, value in (raw.get(name) or {}).items():
-            parts.setdefault(shard_of(tenant, key), {}).setdefault(name, {})[tenant] = value
-    leases = []
-    for lease in raw.get("leases") or []:
-        leases.append({k: v for k, v in lease.items() if k != "tenants"})
-        for tenant, allowance in (lease.get("tenants") or {}).items():
-            part = parts.setdefault(shard_of(tenant, key), {}).setdefault("leases", {})
-            part.setdefault(lease["uid"], {})[tenant] = allowance
-    tenants = raw.get("tenants") or {}
-    kept.update(leases=leases, tenantCount=len(tenants),
-                exhausted=sum(1 for view in tenants.values() if view.get("remaining") == 0))
-    return kept, {index: {name: dict(sorted(part[name].items())) for name in sorted(part)}
-                  for index, part in parts.items()}
+    lease's pod, epoch and number) and each shard's part (its tenants' months and per pod their allowances)."""
+    return split_by_tenant(raw, BUDGET_MAPS, "leases", key)
 
 
 def join_budgets(kept: Mapping[str, Any], parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The inverse of `split_budgets`: `status.budgets` whole, for budget.state_from_status (which bounds and
-    checks what it reads: the shards are input too)."""
-    joined: dict[str, Any] = {k: v for k, v in kept.items() if k not in ("tenantCount", "exhausted")}
-    for name in BUDGET_MAPS:
-        joined[name] = {}
-    allowances: dict[str, dict[str, Any]] = {}
-    for part in parts:
-        for name in BUDGET_MAPS:
-            value = part.get(name)
-            if isinstance(value, Mapping):
-                joined[name].update(value)
-        leases = part.get("leases")
-        for uid, tenants in (leases.items() if isinstance(leases, Mapping) else []):
-            if isinstance(tenants, Mapping):
-                allowances.setdefault(str(uid), {}).update(tenants)
-    listed = kept.get("leases")
-    joined["leases"] = [{**lease, "tenants": allowances.get(str(lease.get("uid")), {})}
-                        for lease in (listed if isinstance(listed, list) else []) if isinstance(lease, Mapping)]
-    return joined
+    return join_by_tenant(kept, parts, BUDGET_MAPS, "leases")
+
+
+SLICE_MAPS = ("tenants", "retired")  # a Budget's status maps by tenant, kept in its BudgetShards
+
+
+def split_slices(raw: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """A Budget's status as slices.slices_status writes it -> what the Budget's status keeps (the period, the
+    number of its slices, each covered service without its tenants) and each shard's part (its tenants' months
+    across the services, their slices per service, and what retired services took)."""
+    return split_by_tenant(raw, SLICE_MAPS, "services", key)
+
+
+def join_slices(kept: Mapping[str, Any], parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    return join_by_tenant(kept, parts, SLICE_MAPS, "services")
+
+
+def planned_with(kept: Mapping[str, Any], read: Mapping[int, int]) -> int:
+    """The number of a Budget's slices a service may say it planned with, from the Budget's status (`kept`)
+    and the number each of its BudgetShards was written under (`read`, as this reader has them): the status's
+    own, unless a shard is not the one the status says was written last (a cache behind, or a write whose
+    status did not land): then no later than that shard's. Saying less is safe (the Budget keeps counting
+    the higher slices of later changes); saying more is not."""
+    seq = kept.get("seq")
+    status_seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
+    raw = kept.get("shardSeqs")
+    written: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    behind = [shard_seq for index, shard_seq in read.items() if written.get(str(index)) != shard_seq]
+    return min([status_seq, *behind])

@@ -173,10 +173,10 @@ def test_chart_watching_namespaces_grants_roles_only_there(operator: ChartOperat
     cluster_role = next(o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "tally-team-a")
     # cluster-wide only what is cluster-scoped: CRDs, and the platform's Budgets (read; their status written)
     assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"], ["budgets"],
-                                                               ["budgets/status"]]
+                                                               ["budgets/status"], ["budgetshards"]]
     assert "create" not in cluster_role["rules"][1]["verbs"] and "delete" not in cluster_role["rules"][1]["verbs"]
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"} == \
-        {"completionservices.serving.tally.dev", "budgets.serving.tally.dev",
+        {"completionservices.serving.tally.dev", "budgets.serving.tally.dev", "budgetshards.serving.tally.dev",
          "usageshards.serving.tally.dev"}  # cluster-scoped whatever it watches
     names = {o["metadata"]["name"] for o in objects
              if o["kind"] not in {"Service", "Secret", "ClusterRole", "CustomResourceDefinition"}}

@@ -19,7 +19,7 @@ import openai
 import pytest
 from kube_harness import Kubectl, eventually, in_cluster
 from operator_harness import ChartOperator
-from usage_harness import MODEL, service, serving_pods, status
+from usage_harness import MODEL, budget_month, service, serving_pods, status
 
 pytestmark = pytest.mark.e2e
 BUDGET = 2_000
@@ -84,11 +84,13 @@ def test_a_platform_budget_over_two_services_is_spent_to_within_5_percent_and_ne
         assert clients.attempts <= 1.1 * REQUESTS, clients.attempts
 
         def booked() -> dict[str, Any]:
-            view = ((kubectl.json("get", "budget", budget_name).get("status") or {}).get("tenants") or {}).get("acme")
+            view = budget_month(kubectl, budget_name, "acme")
             return view if view and view.get("spent") == spent else {}
 
         view = eventually(booked, 90, interval=1, what=f"the Budget's books at the clients' {spent} tokens")
         assert view["budget"] == BUDGET and view["spent"] + view["held"] + view["remaining"] == BUDGET
+        kept = kubectl.json("get", "budget", budget_name)["status"]  # the tenant's month is in a BudgetShard
+        assert "tenants" not in kept and kept["tenantCount"] == 1 and len(kept["shardSeqs"]) == 1
         for name in names:  # each service's ledger: what its clients were told
             told = sum(tokens for ip, tokens, _ in answers if by_ip[ip] == name)
             assert told > 0, name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -10,7 +11,7 @@ import openai
 import yaml
 from kube_harness import ROOT, Kubectl, eventually, in_cluster
 
-from tally_operator.report import FIELDS, rows
+from tally_operator.report import BUDGET_FIELDS, FIELDS, budget_rows, rows
 from tally_operator.shard_store import with_shard_budgets
 
 MODEL = "smollm2-135m-instruct"
@@ -36,6 +37,14 @@ def status(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:
         found["usage"] = {**usage, "tenants": {r.tenant: dict(zip(FIELDS, r.counts, strict=True)) for r in lines}}
         found = with_shard_budgets({**obj, "status": found}, shards["items"])["status"]
     return found
+
+
+def budget_month(kubectl: Kubectl, budget: str, tenant: str) -> dict[str, int]:
+    """A tenant's month under a platform Budget, as `kubectl get budgets,budgetshards -o json | tally-usage`
+    reads it (its tenants are in the Budget's BudgetShards): budget, spent, held, remaining; {} if none yet."""
+    document = json.loads(kubectl("get", "budgets,budgetshards", "-o", "json"))
+    return next((dict(zip(BUDGET_FIELDS, row.counts, strict=True)) for row in budget_rows(document)
+                 if row.budget == budget and row.tenant == tenant), {})
 
 
 def usage_condition(kube: Kubectl, name: str = "smollm") -> dict[str, Any]:

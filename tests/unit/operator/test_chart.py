@@ -13,7 +13,7 @@ CHART = ROOT / "charts" / "tally-operator"
 
 def test_chart_crds_are_the_canonical_crds() -> None:
     canonical = sorted((ROOT / "crds").glob("serving.tally.dev_*.yaml"))
-    assert [p.name for p in canonical] == ["serving.tally.dev_budgets.yaml",
+    assert [p.name for p in canonical] == ["serving.tally.dev_budgets.yaml", "serving.tally.dev_budgetshards.yaml",
                                            "serving.tally.dev_completionservices.yaml",
                                            "serving.tally.dev_usageshards.yaml"]
     assert sorted(p.name for p in (CHART / "files" / "crds").glob("*.yaml")) == [p.name for p in canonical]

@@ -12,6 +12,7 @@ from typing import Any
 from budget_model import Pod, round_trip
 
 from tally_operator.budget import LeaseReport, budgets_status, plan_budgets, state_from_status
+from tally_operator.budget_shards import BudgetShard, joined_status, plan_round
 from tally_operator.platform import budgets_in_force, parse_budget
 from tally_operator.slices import plan_slices, report_of, slices_status, state_from_budget_status
 from tally_operator.usage import Round, book, ledger_from_status, ledger_status
@@ -72,10 +73,40 @@ def budget_round(budget: dict[str, Any], services: list[Service], now: datetime.
     budget["status"] = round_trip(slices_status(planned))
 
 
+class ShardedBudget:
+    """The Budget as the API server holds it with its tenants in BudgetShards (budget_shards.plan_round), and
+    what a service's cache of it shows: the status as written and, now and then, a shard's version before."""
+
+    def __init__(self, budget: dict[str, Any], lag: float) -> None:
+        self.obj, self.lag = budget, lag
+        self.shards: dict[int, BudgetShard] = {}
+        self.before: dict[int, BudgetShard] = {}
+        self.whole: dict[str, Any] = {}
+        self.spec = budget["spec"]
+
+    def round(self, services: list[Service], now: datetime.datetime) -> None:
+        parsed = parse_budget(self.obj)
+        reports = {s.uid: report_of(s.obj(), parsed.name, True, "") for s in services}
+        planned = plan_round(parsed, self.obj["status"], self.shards, reports, now, "key")
+        for index, part in planned.writes.items():
+            if index in self.shards:
+                self.before[index] = self.shards[index]
+            self.shards[index] = BudgetShard(round_trip(part), planned.seq, "rv")
+        self.obj["status"] = round_trip(planned.fields)
+        self.whole = round_trip(planned.whole)
+
+    def seen(self, rng: random.Random) -> dict[str, Any]:
+        view = {index: self.before[index] if index in self.before and rng.random() < self.lag else shard
+                for index, shard in self.shards.items()}
+        return {**self.obj, "status": joined_status(self.obj["status"], view)}
+
+
 def run_month(budget: dict[str, Any], services: list[Service], now: datetime.datetime, rng: random.Random,
-              requests: int, tenant: str = "acme", steps: int = 400) -> tuple[int, int]:
+              requests: int, tenant: str = "acme", steps: int = 400,
+              sharded: ShardedBudget | None = None) -> tuple[int, int]:
     """`requests` of one tenant spread over every pod, each waiting (as the runtime holds it) until served or
-    refused for not fitting what the tenant has left anywhere. Returns (spent, refused)."""
+    refused for not fitting what the tenant has left anywhere. Returns (spent, refused). `sharded`: the Budget's
+    tenants in its shards, which services may see a version behind."""
     pods = [p for s in services for p in s.pods.values()]
     waiting: dict[str, list[int]] = {p.uid: [] for p in pods}
     for i in range(requests):
@@ -101,16 +132,16 @@ def run_month(budget: dict[str, Any], services: list[Service], now: datetime.dat
         rng.shuffle(rounds)
         for kind, service in rounds:
             if kind == "budget":
-                budget_round(budget, services, now)
+                sharded.round(services, now) if sharded is not None else budget_round(budget, services, now)
             elif service is not None and rng.random() < 0.9:  # a service's round comes late now and then
-                service.round(budget, now, rng)
+                service.round(sharded.seen(rng) if sharded is not None else budget, now, rng)
         if not any(waiting.values()) and not any(p.inflight for p in pods):
             break
     for pod in pods:  # everything in flight ends and is booked
         spent += sum(pod.settle(rng, share=1.0).values())
     for service in services:
-        service.round(budget, now, rng)
-    budget_round(budget, services, now)
+        service.round(sharded.seen(rng) if sharded is not None else budget, now, rng)
+    sharded.round(services, now) if sharded is not None else budget_round(budget, services, now)
     assert spent <= limit
     assert not any(waiting.values()), "a request neither served nor refused"
     return spent, refused
@@ -196,3 +227,71 @@ def test_a_service_covered_by_a_budget_ignores_its_own_spec_budgets_and_the_olde
     assert "later also covers it" in verdict.message and "spec.budgets is ignored" in verdict.message
     uncovered, why = budgets_in_force(own, True, "team-c", "chat", "u", {}, [parse_budget(older)], 1, DECEMBER)
     assert uncovered is own and why is not None and why.reason == "SpecBudgets"
+
+
+def test_a_budget_with_its_tenants_in_shards_that_services_see_a_version_behind_never_overspends() -> None:
+    """The Budget's tenants live in BudgetShards, each rewritten only when it changed; a service's cache shows
+    the status as written but, half the time, a shard's version before it. Whatever it sees, the tenant never
+    spends more than its budget, still spends nearly all of it, and the Budget's books are the clients' sums."""
+    rng = random.Random(29)
+    budget = budget_object(6_000)
+    sharded = ShardedBudget(budget, lag=0.5)
+    services = [Service("team-a", "chat", 2), Service("team-b", "code", 2)]
+    spent, refused = run_month(budget, services, DECEMBER, rng, requests=100, sharded=sharded)
+    assert spent >= 0.95 * 6_000 and refused > 0, (spent, refused)
+    assert "tenants" not in budget["status"] and budget["status"]["tenantCount"] == 1
+    assert sharded.whole["tenants"]["acme"]["spent"] == spent
+
+
+def test_a_service_that_sees_a_shard_behind_says_it_planned_with_no_later_slices_than_that_shards() -> None:
+    """The number a service reports (`budgetSeq`) tells the Budget which lowered slices it has applied. A cache
+    that shows a shard older than the status says was written must not let it claim the status's number: it
+    claims the shard's (saying less is safe: the Budget keeps counting the higher slices of later changes)."""
+    budget = budget_object(1_000)
+    budget["status"] = {"period": "2026-12", "seq": 9, "shardSeqs": {"3": 9, "5": 4},
+                        "services": [{"namespace": "team-a", "name": "chat", "uid": "team-a-chat", "seq": 9,
+                                      "applied": True, "pods": 1}], "tenantCount": 1, "exhausted": 0}
+    current = BudgetShard({"services": {"team-a-chat": {"acme": {"granted": 300, "ceiling": 300, "spent": 0}}}}, 9)
+    older = BudgetShard({"services": {"team-a-chat": {"acme": {"granted": 700, "ceiling": 700, "spent": 0}}}}, 7)
+    ahead = BudgetShard({}, 10)  # written by a round whose status did not land
+
+    def seen(shards: dict[int, BudgetShard]) -> tuple[int, int | None]:
+        obj = {**budget, "status": joined_status(budget["status"], shards)}
+        config, _ = budgets_in_force(None, True, "team-a", "chat", "team-a-chat", {}, [parse_budget(obj)], 1,
+                                     DECEMBER)
+        assert config is not None
+        return config.seq, config.tenants["acme"].monthly_tokens
+
+    assert seen({3: current, 5: BudgetShard({}, 4)}) == (9, 300)
+    assert seen({3: older, 5: BudgetShard({}, 4)}) == (7, 700)  # the higher slice, and the number it came with
+    assert seen({3: current, 5: ahead}) == (9, 300)
+    assert seen({3: current}) == (9, 300)  # a shard not seen yet holds nothing this service could plan with
+
+
+def test_a_budget_over_ten_thousand_tenants_keeps_a_small_status_and_shards_under_256_kib() -> None:
+    """10,000 tenants under a default budget across two services: every tenant's month and slices are in the
+    Budget's shards, none over 256 KiB, the status keeps the services and a count; read back whole, it is what
+    was planned."""
+    import json
+
+    from tally_operator.shards import MAX_SHARD_BYTES
+    from tally_operator.slices import ServiceReport, TenantReport
+
+    budget = budget_object(1_000, default=5_000)
+    parsed = parse_budget(budget)
+    names = [f"tenant-{i:05d}" for i in range(10_000)]
+
+    def reports() -> dict[str, ServiceReport]:
+        return {uid: ServiceReport("team-a" if uid == "a" else "team-b", uid, uid, period="2026-12", pods=2,
+                                   tenants={t: TenantReport(spent=10, asked=50) for t in names})
+                for uid in ("a", "b")}
+
+    first = plan_round(parsed, {}, {}, reports(), DECEMBER, "key")
+    shards = {i: BudgetShard(round_trip(part), first.seq, "1") for i, part in first.writes.items()}
+    assert len(shards) >= 60
+    assert max(len(json.dumps(part, separators=(",", ":"))) for part in first.writes.values()) < MAX_SHARD_BYTES
+    status = round_trip(first.fields)
+    assert "tenants" not in status and status["tenantCount"] == 10_001 and len(json.dumps(status)) < 16 << 10
+    assert joined_status(status, shards)["tenants"] == round_trip(first.whole)["tenants"]
+    again = plan_round(parsed, status, shards, reports(), DECEMBER, "key")  # read back, planned on again
+    assert again.previous["tenants"] == round_trip(first.whole)["tenants"] and again.seq > first.seq
