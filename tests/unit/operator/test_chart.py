@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "tally-operator"
@@ -119,3 +122,31 @@ def test_every_dashboard_panel_says_what_it_shows_and_names_its_series() -> None
         assert panel.get("description"), panel["title"]
         for target in panel["targets"]:
             assert target.get("legendFormat") and "$service" in target["expr"], (panel["title"], target["expr"])
+
+
+def test_every_property_of_every_crd_is_a_schema() -> None:
+    """A comma in a flow mapping's description makes a stray key (`{type: integer, description: a, b}`), which
+    YAML reads fine and the API server refuses: every property must map to a schema with a type or preserved
+    fields."""
+    def walk(schema: Any, where: str) -> None:
+        assert isinstance(schema, dict), where
+        assert "type" in schema or schema.get("x-kubernetes-preserve-unknown-fields") or "anyOf" in schema, where
+        assert all(key in KNOWN for key in schema), (where, [k for k in schema if k not in KNOWN])
+        for name, sub in (schema.get("properties") or {}).items():
+            walk(sub, f"{where}.{name}")
+        if isinstance(schema.get("items"), dict):
+            walk(schema["items"], f"{where}[]")
+        if isinstance(schema.get("additionalProperties"), dict):
+            walk(schema["additionalProperties"], f"{where}{{}}")
+
+    for path in sorted((ROOT / "crds").glob("serving.tally.dev_*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        for version in crd["spec"]["versions"]:
+            walk(version["schema"]["openAPIV3Schema"], f"{path.name}:{version['name']}")
+
+
+KNOWN = {"type", "description", "properties", "items", "additionalProperties", "required", "enum", "default",
+         "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "maxProperties", "minProperties",
+         "pattern", "format", "nullable", "anyOf", "oneOf", "x-kubernetes-validations", "x-kubernetes-list-type",
+         "x-kubernetes-list-map-keys", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string",
+         "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "x-kubernetes-map-type"}
