@@ -11,34 +11,18 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from tenant_pods import Pod
 
 from tally_operator import shards as sharding
 from tally_operator.bookkeeping import Observed, plan
 from tally_operator.budget import BudgetConfig, TenantBudget
 from tally_operator.observations import Observations
-from tally_operator.samples import Counters, PodSample
+from tally_operator.samples import Counters
 from tally_operator.shards import SHARDS, Shard, merged, shard_of, split_ledger, totals_ledger
 from tally_operator.usage import Ledger, Round, book, ledger_from_status, ledger_status
 from tally_runtime.contract import OTHER_TENANT
 
 NOW = "2026-12-06T12:00:00Z"
-
-
-class Pod:
-    def __init__(self, uid: str, epoch: float = 1.0) -> None:
-        self.uid, self.epoch = uid, epoch
-        self.tenants: dict[str, Counters] = {}
-
-    def serve(self, tenant: str, prompt: int, completion: int) -> Counters:
-        served = Counters(requests=1, prompt_tokens=prompt, completion_tokens=completion)
-        self.tenants[tenant] = self.tenants.get(tenant, Counters()).plus(served)
-        return served
-
-    def sample(self, final: bool = False) -> PodSample:
-        totals = Counters()
-        for counters in self.tenants.values():
-            totals = totals.plus(counters)
-        return PodSample(totals, "incremental", None, self.epoch, final, dict(self.tenants), pod_uid=self.uid)
 
 
 class Store:

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from tenant_pods import Pod
 
 from tally_operator.samples import MAX_TENANTS_PER_POD, Counters, PodSample
 from tally_operator.usage import (
@@ -20,25 +21,6 @@ from tally_operator.usage import (
     ledger_from_status,
     ledger_status,
 )
-
-
-class Pod:
-    """A runtime's counters, as its /metrics would show them: totals and per tenant, under one epoch."""
-
-    def __init__(self, epoch: float) -> None:
-        self.epoch = epoch
-        self.tenants: dict[str, Counters] = {}
-
-    def serve(self, tenant: str, prompt: int, completion: int, cached: int = 0) -> Counters:
-        served = Counters(requests=1, prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
-        self.tenants[tenant] = self.tenants.get(tenant, Counters()).plus(served)
-        return served
-
-    def sample(self, final: bool = False) -> PodSample:
-        totals = Counters()
-        for counters in self.tenants.values():
-            totals = totals.plus(counters)
-        return PodSample(totals, "incremental", None, self.epoch, final, dict(self.tenants))
 
 
 def persisted(ledger: Ledger) -> Ledger:
