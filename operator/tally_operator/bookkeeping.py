@@ -64,7 +64,7 @@ class Observed:
     # features are on, such as one on an invalid spec)
     keep: frozenset[str] | None = None
     shards: Mapping[int, Shard] = field(default_factory=dict)  # the UsageShards as read before the scrape
-    shard_key: str = ""  # the hash key for a ledger that has none yet (random; the status keeps it from then)
+    shard_key: str = ""  # the hash key for a ledger that has none yet (the status keeps it from then)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,17 +99,17 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
         else:  # the status still holds them (the layout before shards): they move, every shard written whole
             # (one an interrupted move wrote under another key too, empty: the status is what holds the books)
             shards = {**dict.fromkeys(observed.shards, Ledger()), **split_ledger(ledger, key)}
-        before = merged(totals_ledger(ledger), shards)
+        totals = totals_ledger(ledger)  # what the health window follows (its sequence and the pods' epochs)
         untenanted = frozenset() if sharded else \
             frozenset(uid for uid, r in ledger.readings.items() if r.tenants is None)
-        booked, shard_bookings = book_sharded(totals_ledger(ledger), shards, observed.round, key, untenanted)
+        booked, shard_bookings = book_sharded(totals, shards, observed.round, key, untenanted)
         after_shards = {i: b.ledger for i, b in shard_bookings.items()}
         booking = replace(booked, ledger=merged(booked.ledger, after_shards),
                           tenant_increase={t: c for b in shard_bookings.values() for t, c in b.tenant_increase.items()},
                           folded=sum(b.folded for b in shard_bookings.values()))
         whole = booking.ledger
-        fresh = following(observations, before, persisted_verdict(previous))
-        observations = advance(fresh, before, booking, observed.round)
+        fresh = following(observations, totals, persisted_verdict(previous))
+        observations = advance(fresh, totals, booking, observed.round)
         usage_verdict, observations = judge(observations, observed.round, observed.max_mismatch_ratio)
         verdicts.append(usage_verdict)
         fields["usage"] = {**ledger_status(totals_ledger(booked.ledger)), "shardKey": key,
@@ -121,6 +121,7 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
             persisted = previous.get("budgets") or {}
             if "tenants" not in persisted:  # kept in the shards (else the status holds them: before the shards)
                 persisted = join_budgets(persisted, [shard.budgets for shard in observed.shards.values()])
+            before = merged(totals, shards)  # the whole ledger the round was booked into (budgets read tenants)
             budgets = plan_budgets(observed.budgets, before, whole, state_from_status(persisted), observed.serving,
                                    datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
                                    {uid: s.wanted for uid, s in observed.round.samples.items() if s.wanted},

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hashlib
 import json
 import logging
 import time
@@ -104,14 +103,13 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
         if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
             return None
         obj, meta = fresh, fresh["metadata"]
-    # The shards' hash key, for a ledger that has none yet (the status keeps it from then): the same in every
-    # operator that holds the chart's signing key, so two that move one ledger into shards at once agree, and
-    # no client or pod can compute where a name goes
-    key = hashlib.sha256(ctx.signer.sign(f"usage-shards/{meta['uid']}".encode()).encode()).hexdigest()[:32]
     for _ in range(MAX_WRITES):
         shards = await asyncio.to_thread(read_shards, ctx.kube, meta) if books else {}
         observed, scraped = await observe(obj)
         if observed.round is not None:
+            # The shards' hash key, for a ledger that has none yet (the status keeps it from then): every operator
+            # holding the chart's signing key derives the same, so two that move one ledger at once agree
+            key = ctx.signer.derived_key(f"usage-shards/{meta['uid']}")
             observed = replace(observed, shards=shards, shard_key=key)
         planned = plan(obj.get("status") or {}, memory.observations, observed, now())
         if not planned.changed and not planned.shards:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -75,7 +74,8 @@ async def budget_round(ctx: Context, name: str, platform: Sequence[PlatformBudge
             services, unreadable = await _covered(ctx, budget)
             others = [b for b in platform if b.uid != budget.uid] + [budget]
             reports = {s["metadata"]["uid"]: report(s, budget, others) for s in services}
-            planned = plan_round(budget, kept, shards, reports, now, shard_key(ctx, meta["uid"]))
+            key = ctx.signer.derived_key(f"budget-shards/{meta['uid']}")  # as every operator of the release derives
+            planned = plan_round(budget, kept, shards, reports, now, key)
             result = verdict(reports, unreadable, "")
         fields = planned.fields if planned is not None else {}
         writes = planned.writes if planned is not None else {}
@@ -100,12 +100,6 @@ async def budget_round(ctx: Context, name: str, platform: Sequence[PlatformBudge
             _landed(ctx, name, planned.previous, planned.whole, reports)
         return True
     raise KubeError(409, f"Budget {name}'s status changed under {MAX_WRITES} writes in a row")
-
-
-def shard_key(ctx: Context, uid: str) -> str:
-    """The hash key of a Budget's shards: the same in every operator holding the chart's signing key, and no
-    client can compute where a name goes."""
-    return hashlib.sha256(ctx.signer.sign(f"budget-shards/{uid}".encode()).encode()).hexdigest()[:32]
 
 
 async def _covered(ctx: Context, budget: PlatformBudget) -> tuple[list[dict[str, Any]], list[str]]:

@@ -8,6 +8,7 @@ restarts, because their environment names a new key."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 from pathlib import Path
 
@@ -36,3 +37,8 @@ class Signer:
 
     def sign(self, body: bytes) -> str:
         return base64.b64encode(self._key.sign(body)).decode()
+
+    def derived_key(self, purpose: str) -> str:
+        """A key for `purpose` (the shards' hash key of one object): the same in every process holding this key
+        (an Ed25519 signature is deterministic), and no one without it can compute it."""
+        return hashlib.sha256(self.sign(purpose.encode()).encode()).hexdigest()[:32]

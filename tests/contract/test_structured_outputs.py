@@ -63,6 +63,16 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
+def completed(url: str, kwargs: Any, streamed: bool) -> Any:
+    """One chat completion through the SDK's parsing helpers: `parse`, or `stream` assembled by the SDK."""
+    if not streamed:
+        return client(url).chat.completions.parse(**kwargs)
+    with client(url).chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as stream:
+        for _ in stream:
+            pass
+        return stream.get_final_completion()
+
+
 MESSAGES: list[Any] = [{"role": "user", "content": "Describe a large city as JSON."}]
 
 
@@ -165,13 +175,7 @@ def test_required_and_named_tool_calls_validate_every_time_streamed_or_not(url: 
     for i in range(CALLS):
         kwargs: Any = {"model": "smollm2-135m-instruct", "messages": ASK, "tools": TOOLS, "tool_choice": choice,
                        "max_tokens": 120, "temperature": 0.8, "parallel_tool_calls": False}
-        if i % 2:
-            reply = client(url).chat.completions.parse(**kwargs)
-        else:
-            with client(url).chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as stream:
-                for _ in stream:
-                    pass
-                reply = stream.get_final_completion()
+        reply = completed(url, kwargs, streamed=not i % 2)
         choice_ = reply.choices[0]
         assert choice_.finish_reason == "tool_calls" and choice_.message.content is None, repr(choice_.message.content)
         calls = choice_.message.tool_calls or []
@@ -222,13 +226,7 @@ def test_tool_choice_auto_answers_in_the_generic_format_calls_or_text_and_every_
         kwargs: Any = {"model": "smollm2-135m-instruct", "messages": asks[i % 2], "tools": TOOLS,
                        "max_tokens": 120, "temperature": 0.8, "parallel_tool_calls": False}
         try:
-            if i % 4 < 2:
-                reply = client(url).chat.completions.parse(**kwargs)
-            else:
-                with client(url).chat.completions.stream(**kwargs, stream_options={"include_usage": True}) as stream:
-                    for _ in stream:
-                        pass
-                    reply = stream.get_final_completion()
+            reply = completed(url, kwargs, streamed=i % 4 >= 2)
         except openai.LengthFinishReasonError as cut:  # the SDK will not parse a reply cut at max_tokens
             reply = cut.completion
             kinds.add("cut")
