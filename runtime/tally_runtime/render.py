@@ -71,8 +71,9 @@ class EventRenderer:
                     events.append(self.chunks.content(index, content, None, None))
                 events.append(self.chunks.tool_calls(index, calls))
                 events.append(self.chunks.content(index, "", None, "tool_calls", running))
-            else:
-                events.append(self.chunks.content(index, text, None, str(delta.finish_reason), running))
+            else:  # the generic format's response is its text, not the JSON around it (tools.tool_calls)
+                events.append(self.chunks.content(index, content if content is not None else text, None,
+                                                  str(delta.finish_reason), running))
         self.out.extend(sse.event(event) for event in events)
 
     def take(self) -> bytes:

@@ -52,3 +52,36 @@ def test_event_renderer_equals_the_dict_path(endpoint: Endpoint, echo: bool, con
     assert fast_out == b"".join(plain_out)
     assert fast.take() == b""
     assert bool(fast.templates) is not continuous  # the fast path was taken, except with running usage
+
+
+def test_a_streamed_generic_format_reply_is_its_response_text_and_a_call_its_tool_calls() -> None:
+    """`tool_choice: auto` without the engine's parser (tools.generic_plan): the held output is
+    `{"response": ...}` or `{"tool_calls": [...]}`; streamed, the client gets the response's text (never the JSON
+    around it) or the calls."""
+    import dataclasses
+    import json
+
+    from tally_runtime.protocol import ChatCompletionRequest
+    from tally_runtime.tools import generic_plan
+
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto",
+        "tools": [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]})
+    the_job = dataclasses.replace(job(CHAT, n=1), tools=generic_plan(req, {"get_time": {"type": "object"}}))
+
+    def streamed(text: str) -> list[dict[str, object]]:
+        usage = [ChoiceUsage(0, 0, 2)]
+        renderer = EventRenderer(the_job, usage)
+        for i, piece in enumerate((text[:5], text[5:])):
+            delta = Delta(text=piece, token_ids=(5,), prompt_tokens=2, completion_tokens=i + 1,
+                          finish_reason=FinishReason.STOP if i else None)
+            usage[0].observe(delta)
+            renderer.add(0, delta)
+        raw = renderer.take().decode()
+        return [json.loads(line[6:])["choices"][0]["delta"] for line in raw.split("\n\n") if line.startswith("data: ")]
+
+    said = "".join(str(d.get("content") or "") for d in streamed('{"response": "Paris"}'))
+    assert said == "Paris"
+    calls = [d["tool_calls"] for d in streamed('{"tool_calls": [{"name": "get_time", "arguments": {}}]}')
+             if d.get("tool_calls")]
+    assert calls and calls[0][0]["function"]["name"] == "get_time"  # type: ignore[index]
