@@ -129,6 +129,22 @@ def test_a_function_call_stream_sends_its_arguments_once_whole() -> None:
     assert out[0]["sequence_number"] == 2
 
 
+def test_several_calls_in_one_stream_are_each_sent_whole_as_items_of_their_own() -> None:
+    """`tool_choice: "required"` with parallel calls allowed may return two calls: each is its own output item
+    with its own `.done` event, in order, and the closing response lists both (a contract test met this)."""
+    render = ResponsesRenderer(job(request(), ToolPlan('{"type": "array"}')), [])
+    render.add(0, Delta(text='[{"name": "get_weather", "parameters": {"city": "Suida"}}, ', token_ids=(1,)))
+    render.add(0, Delta(text='{"name": "get_weather", "parameters": {"city": "Venice"}}]', token_ids=(2,),
+                        finish_reason=FinishReason.STOP))
+    out = events(render.take() + render.finish({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}))
+    done = [(e["item_id"], e["output_index"], e["arguments"]) for e in out
+            if e["type"] == "response.function_call_arguments.done"]
+    items = out[-1]["response"]["output"]
+    assert [(item["id"], k, item["arguments"]) for k, item in enumerate(items)] == done
+    assert [json.loads(a)["city"] for _, _, a in done] == ["Suida", "Venice"] and done[0][0] != done[1][0]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+
+
 def test_chats_sampling_extensions_pass_through_and_are_validated_as_chat_validates_them() -> None:
     chat = to_chat(request(ignore_eos=True, top_k=5, stop=["\n"]))
     assert (chat.ignore_eos, chat.top_k, chat.stop) == (True, 5, ["\n"])
