@@ -46,8 +46,9 @@ def test_exactly_the_requests_a_budget_covers_are_served_and_the_spend_is_the_en
     429 before anything is generated, the tenant's spend is what its clients were told and never more than
     the budget; another tenant is unaffected; an aborted request returns what it did not use."""
     operator = Ed25519PrivateKey.generate()
+    # a request with no lease waits the queue's time for one (15 s here, 60 by default) before its 429
     with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
-                         "--max-concurrent-generations", "4") as (_, url), \
+                         "--max-concurrent-generations", "4", "--max-queue-seconds", "15") as (_, url), \
             httpx.Client(base_url=url, timeout=60) as http:
         refused = call(url, "acme", PROMPT)
         assert refused.status_code == 429 and refused.headers["retry-after"]  # no lease yet: nothing is spent
@@ -106,7 +107,8 @@ def test_a_tenant_without_a_lease_asks_for_one(tmp_path: Path) -> None:
     """With a default budget, a tenant the lease message does not list is refused and asked for on /metrics,
     which the operator reads; once a lease names it, its retry fits."""
     operator = Ed25519PrivateKey.generate()
-    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator)) as (_, url), \
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--max-queue-seconds", "5") as (_, url), \
             httpx.Client(base_url=url, timeout=60) as http:
         assert post_leases(http, operator, {}, starter={"allowance": 0}).status_code == 200
         refused = call(url, "newbie", PROMPT)
@@ -173,7 +175,8 @@ def test_a_lowered_allowance_keeps_what_was_admitted_and_a_late_message_changes_
     (what the operator counts until the stream ends), under the message's number. A message numbered below
     it (late, from an earlier round) is refused with 409 and changes nothing."""
     operator = Ed25519PrivateKey.generate()
-    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator)) as (_, url), \
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--max-queue-seconds", "5") as (_, url), \
             httpx.Client(base_url=url, timeout=60) as http:
         assert post_leases(http, operator, {"acme": {"allowance": 100_000}}).status_code == 200
         body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True,

@@ -43,12 +43,14 @@ def test_records_reach_the_receiver_exactly_once_through_failures_a_crash_and_a_
 def test_a_spool_that_is_full_counts_what_it_cannot_hold_lost(tmp_path: Path, receiver: Receiver) -> None:
     receiver.failing = True
     with runtime_process(tmp_path / "rt.log", "--usage-records-url", receiver.url, "--usage-records-spool",
-                         str(tmp_path / "spool"), "--usage-records-spool-bytes", "4096") as (_, url):
+                         str(tmp_path / "spool"), "--usage-records-spool-bytes", "4096") as (proc, url):
         serve(url, 12)  # each record is about 600 bytes as a CloudEvent: 6 or so fit
         metrics = httpx.get(f"{url}/metrics").text
         queued = metric_value(metrics, "tally_usage_records_queued")
         lost = metric_value(metrics, "tally_usage_records_lost_total", {"sink": "delivery"})
         assert 0 < queued < 12 and queued + lost == 12
+        proc.send_signal(signal.SIGKILL)  # a drain would retry the failing receiver until its time is up
+        proc.wait(timeout=30)
 
 
 def test_a_receiver_that_keeps_pace_loses_nothing_at_100_records_a_second(tmp_path: Path, receiver: Receiver) -> None:
@@ -100,10 +102,13 @@ def test_records_reach_a_receiver_whose_certificate_a_private_ca_signed(tmp_path
     token.write_text(TOKEN)
     flags = ("--usage-records-url", url, "--usage-records-token-file", str(token), "--usage-records-spool",
              str(tmp_path / "spool"))
-    with runtime_process(tmp_path / "untrusting.log", *flags) as (_, base):
+    with runtime_process(tmp_path / "untrusting.log", *flags) as (proc, base):
         sent = serve(base, 2)
         assert until(lambda: "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "untrusting.log").read_text(), 30)
         assert not receiver.events
+        # killed, its records in the spool (a drain would try the receiver it cannot trust until its time is up)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
     with runtime_process(tmp_path / "trusting.log", *flags, "--usage-records-ca-file", str(ca)) as (_, base):
         sent += serve(base, 1)
         assert until(lambda: receiver.usage() == told(sent), 30), (receiver.usage(), told(sent))

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -368,27 +369,29 @@ def test_the_pickers_gauges_are_sglangs_own_plus_tallys_queue(tmp_path: Any) -> 
             "sglang:cache_config_info": "gauge"}
         _, info, _ = idle["sglang:cache_config_info"]
         assert int(info["page_size"]) >= 1 and int(info["num_pages"]) > 0
-        clients = [httpx.Client(timeout=300) for _ in range(3)]
+        ended = threading.Event()
 
-        def stream(client: httpx.Client) -> None:
-            try:
-                with client.stream("POST", f"{url}/v1/completions", json={
-                        "prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "stream": True}) as response:
-                    for _ in response.iter_raw():
-                        pass
-            except (httpx.HTTPError, RuntimeError):  # closed under it: how the test ends the load
-                pass
+        def stream() -> None:
+            # each client leaves at its first chunk once the gauges are read: the running stream is aborted, the
+            # next one admitted, and so on (600 tokens each to the end would be minutes on this CPU)
+            with httpx.Client(timeout=300) as client, client.stream("POST", f"{url}/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "stream": True}) as response:
+                for _ in response.iter_raw():
+                    if ended.is_set():
+                        return
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            for client in clients:
-                pool.submit(stream, client)
-            assert until(lambda: gauges()["sglang:num_running_reqs"][2] == 1
-                         and gauges()["sglang:num_queue_reqs"][2] == 2, 120, interval=0.2), gauges()
-            assert until(lambda: 0 < gauges()["sglang:token_usage"][2] <= 1, 120, interval=0.2), gauges()
-            page = httpx.get(f"{url}/metrics").text
-            assert "tally_" not in page and "tenant" not in page
-            for client in clients:
-                client.close()
+            streams = [pool.submit(stream) for _ in range(3)]
+            try:
+                assert until(lambda: gauges()["sglang:num_running_reqs"][2] == 1
+                             and gauges()["sglang:num_queue_reqs"][2] == 2, 120, interval=0.2), gauges()
+                assert until(lambda: 0 < gauges()["sglang:token_usage"][2] <= 1, 120, interval=0.2), gauges()
+                page = httpx.get(f"{url}/metrics").text
+                assert "tally_" not in page and "tenant" not in page
+            finally:
+                ended.set()
+            for done in streams:
+                done.result(timeout=120)
         assert until(lambda: gauges()["sglang:num_running_reqs"][2] == 0, 120, interval=0.2), gauges()
     finally:
         stop(proc)
