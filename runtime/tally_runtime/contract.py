@@ -128,7 +128,7 @@ ENGINE_ARG_VALUES = frozenset({
 })
 ENGINE_ARG_SWITCHES = frozenset({
     "--disable-radix-cache", "--disable-cuda-graph", "--disable-overlap-schedule", "--enable-mixed-chunk",
-    "--enable-torch-compile", "--enable-dp-attention", "--skip-server-warmup",
+    "--enable-torch-compile", "--enable-dp-attention", "--skip-server-warmup", "--sleep-on-idle",
     "--constrained-json-disable-any-whitespace", *STREAMING_FLAGS,
 })
 ENGINE_ARG_VALUE_CHARS = "A-Za-z0-9._:+,-"

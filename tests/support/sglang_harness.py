@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("TALLY_SGLANG_MODEL", Path.home() / ".cache/tally/models/smollm2-135m-instruct-hf"))
 # SGLang's CPU path (SGLANG_CONTRACT.md §9); the stand-in sgl_kernel is first on the path.
 ENGINE_ARGS = ("--device=cpu", "--attention-backend=torch_native", "--disable-overlap-schedule",
-               "--max-total-tokens=8192", "--skip-server-warmup")
+               "--max-total-tokens=8192", "--skip-server-warmup", "--sleep-on-idle")
 ENGINE_ARG_FLAGS = [f"--engine-arg={arg}" for arg in ENGINE_ARGS]  # the runtime's flags for them, one each
 
 
