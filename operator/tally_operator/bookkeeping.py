@@ -26,10 +26,15 @@ from tally_operator.budget import (
 from tally_operator.conditions import Condition, Verdict, find, transitions
 from tally_operator.observations import Observations, advance, following
 from tally_operator.shards import (
+    MAX_SHARD_BYTES,
+    SHARD_META_BYTES,
+    SHARD_ROOM_BYTES,
     Shard,
     has_room,
     join_budgets,
     merged,
+    shard_bytes,
+    shard_of,
     split_budgets,
     split_ledger,
     totals_ledger,
@@ -65,6 +70,7 @@ class Observed:
     keep: frozenset[str] | None = None
     shards: Mapping[int, Shard] = field(default_factory=dict)  # the UsageShards as read before the scrape
     shard_key: str = ""  # the hash key for a ledger that has none yet (the status keeps it from then)
+    blocked: frozenset[int] = frozenset()  # shards whose name holds an object not this service's (not writable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,62 +85,145 @@ class Plan:
     # UsageShards to write before the status (index -> their `usage` and `budgets`), each only if it changed
     shards: Mapping[int, dict[str, Any]] = field(default_factory=dict)
     ledger: Ledger | None = None  # the whole ledger after the round (the status's totals and every shard's tenants)
+    left_out: Mapping[str, str] = field(default_factory=dict)  # pods whose round waits for a later one, and why
 
 
 def plan(previous: Mapping[str, Any], observations: Observations, observed: Observed, now: str) -> Plan:
     verdicts = list(observed.verdicts)
     fields = dict(observed.fields)
-    booking, usage_verdict = None, None
-    budgets: Planned | None = None
-    shard_writes: dict[int, dict[str, Any]] = {}
-    whole: Ledger | None = None
+    books: Books | None = None
+    usage_verdict = None
     if observed.round is not None:
-        usage = previous.get("usage") or {}
-        ledger = ledger_from_status(usage)
-        persisted_key = usage.get("shardKey")
-        key = persisted_key if isinstance(persisted_key, str) and persisted_key else observed.shard_key
-        sharded = "shardKey" in usage
-        if sharded:  # the tenants are in the shards
-            shards = {index: shard.ledger for index, shard in observed.shards.items()}
-        else:  # the status still holds them (the layout before shards): they move, every shard written whole
-            # (one an interrupted move wrote under another key too, empty: the status is what holds the books)
-            shards = {**dict.fromkeys(observed.shards, Ledger()), **split_ledger(ledger, key)}
-        totals = totals_ledger(ledger)  # what the health window follows (its sequence and the pods' epochs)
-        untenanted = frozenset() if sharded else \
-            frozenset(uid for uid, r in ledger.readings.items() if r.tenants is None)
-        booked, shard_bookings = book_sharded(totals, shards, observed.round, key, untenanted)
-        after_shards = {i: b.ledger for i, b in shard_bookings.items()}
-        booking = replace(booked, ledger=merged(booked.ledger, after_shards),
-                          tenant_increase={t: c for b in shard_bookings.values() for t, c in b.tenant_increase.items()},
-                          folded=sum(b.folded for b in shard_bookings.values()))
-        whole = booking.ledger
-        fresh = following(observations, totals, persisted_verdict(previous))
-        observations = advance(fresh, totals, booking, observed.round)
-        usage_verdict, observations = judge(observations, observed.round, observed.max_mismatch_ratio)
+        books = plan_books(previous, observed, now)
+        fresh = following(observations, books.totals_before, persisted_verdict(previous))
+        observations = advance(fresh, books.totals_before, books.booking, books.round)
+        usage_verdict, observations = judge(observations, books.round, observed.max_mismatch_ratio)
         verdicts.append(usage_verdict)
-        fields["usage"] = {**ledger_status(totals_ledger(booked.ledger)), "shardKey": key,
-                           "tenantCount": sum(1 for t in whole.tenants if t != OTHER_TENANT),
-                           "tenantsFolded": whole.tenants_folded, **round_status(observed.round, now)}
-        fields["usage"].pop("tenants", None)
-        budget_parts: dict[int, dict[str, Any]] = {}
-        if observed.budgets is not None:
-            persisted = previous.get("budgets") or {}
-            if "tenants" not in persisted:  # kept in the shards (else the status holds them: before the shards)
-                persisted = join_budgets(persisted, [shard.budgets for shard in observed.shards.values()])
-            before = merged(totals, shards)  # the whole ledger the round was booked into (budgets read tenants)
-            budgets = plan_budgets(observed.budgets, before, whole, state_from_status(persisted), observed.serving,
-                                   datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
-                                   {uid: s.wanted for uid, s in observed.round.samples.items() if s.wanted},
-                                   {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in observed.round.samples.items()
-                                    if s.lease_seq},
-                                   room=lambda tenant: has_room(after_shards, tenant, key))
-            fields["budgets"], budget_parts = split_budgets(budgets_status(budgets, observed.budgets), key)
-        shard_writes = changed_shards(observed.shards, after_shards, budget_parts, rewrite=not sharded)
+        fields.update(books.fields)
     status = build_status(previous, verdicts, now, observed.generation, fields, observed.keep)
     return Plan(status=status, changed=without_times(status) != without_times(previous),
                 transitions=transitions(previous.get("conditions") or [], status["conditions"]),
-                observations=observations, booking=booking, verdict=usage_verdict, budgets=budgets,
-                shards=shard_writes, ledger=whole)
+                observations=observations, booking=books.booking if books else None, verdict=usage_verdict,
+                budgets=books.budgets if books else None, shards=books.shard_writes if books else {},
+                ledger=books.booking.ledger if books else None, left_out=books.left_out if books else {})
+
+
+@dataclass(frozen=True, slots=True)
+class Books:
+    """One round booked into the status's totals and the shards, and the budgets planned on it."""
+
+    round: Round  # the round as booked (pods left out of it count as not read)
+    booking: Booking  # its ledger: the whole one (the status's totals and every shard's tenants)
+    totals_before: Ledger  # the status's part of the ledger it was booked into
+    fields: dict[str, Any]  # status.usage (and status.budgets)
+    shard_writes: dict[int, dict[str, Any]]
+    budgets: Planned | None
+    left_out: dict[str, str]  # pod uid -> why its round waits for a later one
+
+
+def plan_books(previous: Mapping[str, Any], observed: Observed, now: str) -> Books:
+    """The round booked, bounded in bytes: a shard full past `SHARD_ROOM_BYTES` takes no new tenant, and a pod
+    whose round would make a shard larger than `MAX_SHARD_BYTES` (or touches one whose name is taken) is left
+    out of this round (counted as not read: its next reading books it), so no bound ever stops a pass before
+    its status lands."""
+    assert observed.round is not None
+    closed = frozenset(i for i, shard in observed.shards.items()
+                       if shard.size >= SHARD_ROOM_BYTES or shard.ledger.closed)
+    left_out: dict[str, str] = {}
+    carry = False
+    while True:
+        round_ = without(observed.round, left_out)
+        books = book_round(previous, observed, round_, now, closed, left_out, carry)
+        sizes = {i: shard_bytes(body) + SHARD_META_BYTES for i, body in books.shard_writes.items()}
+        grown = frozenset(i for i, size in sizes.items() if size > SHARD_ROOM_BYTES and i not in closed)
+        if grown:  # it took new tenants past the bound: they go to `other` instead
+            closed |= grown
+            continue
+        over = {i for i, size in sizes.items() if size > MAX_SHARD_BYTES} | (set(sizes) & observed.blocked)
+        touching = pods_in(over, round_, observed, previous)
+        if not over:
+            return books
+        if not touching:  # what is left to write there is the budgets' part: planned again next round, kept now
+            if carry:
+                return replace(books, shard_writes={i: b for i, b in books.shard_writes.items() if i not in over})
+            carry = True
+            continue
+        for uid in touching:
+            index = min(over & shards_of(uid, round_, observed, previous))
+            left_out[uid] = f"its round would make UsageShard {index} too large, or that shard's name is taken"
+
+
+def book_round(previous: Mapping[str, Any], observed: Observed, round_: Round, now: str, closed: frozenset[int],
+               left_out: Mapping[str, str], carry: bool = False) -> Books:
+    """`carry`: the budgets as persisted, unchanged (no lease moves) even where they apply."""
+    usage = previous.get("usage") or {}
+    ledger = ledger_from_status(usage)
+    key, sharded = shard_key(usage, observed), "shardKey" in usage
+    if sharded:  # the tenants are in the shards (one full in bytes is closed for good)
+        shards = {index: replace(shard.ledger, closed=shard.ledger.closed or index in closed)
+                  for index, shard in observed.shards.items()}
+    else:  # the status still holds them (the layout before shards): they move, every shard written whole
+        # (one an interrupted move wrote under another key too, empty: the status is what holds the books)
+        shards = {**dict.fromkeys(observed.shards, Ledger()), **split_ledger(ledger, key)}
+    totals = totals_ledger(ledger)  # what the health window follows (its sequence and the pods' epochs)
+    untenanted = frozenset() if sharded else \
+        frozenset(uid for uid, r in ledger.readings.items() if r.tenants is None)
+    booked, shard_bookings = book_sharded(totals, shards, round_, key, untenanted, closed)
+    after_shards = {i: b.ledger for i, b in shard_bookings.items()}
+    booking = replace(booked, ledger=merged(booked.ledger, after_shards),
+                      tenant_increase={t: c for b in shard_bookings.values() for t, c in b.tenant_increase.items()},
+                      folded=sum(b.folded for b in shard_bookings.values()))
+    whole = booking.ledger
+    fields: dict[str, Any] = {"usage": {**ledger_status(totals_ledger(booked.ledger)), "shardKey": key,
+                                        "tenantCount": sum(1 for t in whole.tenants if t != OTHER_TENANT),
+                                        "tenantsFolded": whole.tenants_folded, **round_status(round_, now)}}
+    fields["usage"].pop("tenants", None)
+    budget_parts: dict[int, dict[str, Any]] = {}
+    budgets: Planned | None = None
+    if observed.budgets is not None and not carry:
+        persisted = previous.get("budgets") or {}
+        if "tenants" not in persisted:  # kept in the shards (else the status holds them: before the shards)
+            persisted = join_budgets(persisted, [shard.budgets for shard in observed.shards.values()])
+        before = merged(totals, shards)  # the whole ledger the round was booked into (budgets read tenants)
+        budgets = plan_budgets(observed.budgets, before, whole, state_from_status(persisted),
+                               observed.serving - set(left_out),
+                               datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
+                               {uid: s.wanted for uid, s in round_.samples.items() if s.wanted},
+                               {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in round_.samples.items()
+                                if s.lease_seq},
+                               room=lambda tenant: has_room(after_shards, tenant, key, closed))
+        fields["budgets"], budget_parts = split_budgets(budgets_status(budgets, observed.budgets), key)
+    elif "budgets" in previous and (carry or observed.keep is None or "budgets" in observed.keep):
+        # A pass that cannot tell whether budgets apply (a spec refused) carries them as they are: rewriting the
+        # shards without them would erase every tenant's month
+        budget_parts = {i: dict(shard.budgets) for i, shard in observed.shards.items() if shard.budgets}
+    shard_writes = changed_shards(observed.shards, after_shards, budget_parts, rewrite=not sharded)
+    return Books(round_, booking, totals, fields, shard_writes, budgets, dict(left_out))
+
+
+def shard_key(usage: Mapping[str, Any], observed: Observed) -> str:
+    persisted = usage.get("shardKey")
+    return persisted if isinstance(persisted, str) and persisted else observed.shard_key
+
+
+def without(round_: Round, left_out: Mapping[str, str]) -> Round:
+    """The round with the pods `left_out` counted as not read (their readings stand; their next one books them)."""
+    if not left_out:
+        return round_
+    return replace(round_, samples={uid: s for uid, s in round_.samples.items() if uid not in left_out},
+                   failed=round_.failed | (frozenset(left_out) & frozenset(round_.samples)))
+
+
+def shards_of(uid: str, round_: Round, observed: Observed, previous: Mapping[str, Any]) -> set[int]:
+    """The shards pod `uid`'s round books into: those of its tenants now, and those holding a reading of it."""
+    key = shard_key(previous.get("usage") or {}, observed)
+    sample = round_.samples.get(uid)
+    now = {shard_of(name, key) for name in (sample.tenants if sample is not None else {})}
+    return now | {i for i, shard in observed.shards.items() if uid in shard.ledger.readings}
+
+
+def pods_in(over: set[int], round_: Round, observed: Observed, previous: Mapping[str, Any]) -> set[str]:
+    return {uid for uid in round_.samples if shards_of(uid, round_, observed, previous) & over} if over else set()
 
 
 def persisted_verdict(status: Mapping[str, Any]) -> Verdict | None:

@@ -29,7 +29,7 @@ from tally_operator.context import Context, Scraped, ServiceMemory
 from tally_operator.kube import KubeError
 from tally_operator.samples import MetricsParseError, PodSample, parse_sample
 from tally_operator.scrape import Call, post_all, scrape
-from tally_operator.shard_store import read_shards, write_shard
+from tally_operator.shard_store import ShardNameTaken, read_shards, write_shard
 from tally_operator.shards import MAX_SHARD_TENANTS
 from tally_operator.signing import Signer
 from tally_operator.usage import (
@@ -103,6 +103,7 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
         if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
             return None
         obj, meta = fresh, fresh["metadata"]
+    blocked: frozenset[int] = frozenset()
     for _ in range(MAX_WRITES):
         shards = await asyncio.to_thread(read_shards, ctx.kube, meta) if books else {}
         observed, scraped = await observe(obj)
@@ -110,18 +111,22 @@ async def commit(ctx: Context, body: kopf.Body, memory: ServiceMemory, obj: Mapp
             # The shards' hash key, for a ledger that has none yet (the status keeps it from then): every operator
             # holding the chart's signing key derives the same, so two that move one ledger at once agree
             key = ctx.signer.derived_key(f"usage-shards/{meta['uid']}")
-            observed = replace(observed, shards=shards, shard_key=key)
+            observed = replace(observed, shards=shards, shard_key=key, blocked=blocked)
         planned = plan(obj.get("status") or {}, memory.observations, observed, now())
         if not planned.changed and not planned.shards:
             memory.observations = planned.observations
             return scraped
         try:
             for index, shard_body in sorted(planned.shards.items()):
-                read = shards.get(index)
-                await asyncio.to_thread(write_shard, ctx.kube, meta, index, shard_body,
-                                        read.resource_version if read is not None else None)
+                await asyncio.to_thread(write_shard, ctx.kube, meta, index, shard_body, shards.get(index))
             await asyncio.to_thread(ctx.kube.replace_status, c.API_VERSION, c.KIND, meta["name"],
                                     meta["namespace"], planned.status, str(meta["resourceVersion"]))
+        except ShardNameTaken as taken:  # planned again without what would be written there (pods wait)
+            log.warning("Not writing a shard of %s/%s: %s", meta["namespace"], meta["name"], taken)
+            ctx.post_event(body, "Warning", "UsageShardNameTaken", f"{taken}: the pods whose tenants are booked there "
+                                                                   "wait for a later round")
+            blocked |= {index}
+            continue
         except KubeError as error:
             if not error.conflict:
                 raise
@@ -148,6 +153,12 @@ async def landed(ctx: Context, body: kopf.Body, memory: ServiceMemory, planned: 
             log.warning("Refusing the metrics of pod %s of %s/%s: %s", uid, meta["namespace"], meta["name"], reason)
             post(body, "Warning", "MetricsRefused", f"The /metrics of pod {uid} were not counted: {reason}")
     memory.refused = dict(scraped.refused)
+    for uid, reason in planned.left_out.items():  # once per pod and reason, as for refused metrics
+        if memory.left_out.get(uid) != reason:
+            log.warning("Leaving the round of pod %s of %s/%s for later: %s", uid, meta["namespace"], meta["name"],
+                        reason)
+            post(body, "Warning", "UsageRoundDeferred", f"Pod {uid} was not booked this round: {reason}")
+    memory.left_out = dict(planned.left_out)
     for uid, sample in scraped.round.samples.items():  # records a pod could not deliver: once per increase
         before = memory.records_lost.get(uid)
         if before is not None and sample.records_lost > before:

@@ -66,6 +66,7 @@ class ServiceMemory:
     observations: Observations = field(default_factory=Observations)
     apply_error: SpecError | None = None  # the API server's refusal, until a pass applies cleanly
     refused: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last sample was refused
+    left_out: dict[str, str] = field(default_factory=dict)  # pod uid -> why its last round was left for later
     records_lost: dict[str, int] = field(default_factory=dict)  # pod uid -> its records lost, as last read
     budget_notice: str = ""  # the budgets' count change announced last (an Event once, not every round)
     spec_budgets_noted: bool = False  # spec.budgets' deprecation said (an Event once per process)

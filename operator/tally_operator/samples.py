@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from tally_runtime import contract
+from tally_runtime.contract import MAX_TENANT_LENGTH
 
 MAX_TENANTS_PER_POD = 1000  # tenant label values a pod may report (the runtime keeps --max-tenants, 100)
 TENANT_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")  # counted per tenant too
@@ -201,6 +202,10 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
                                 f"than a pod may report ({MAX_TENANTS_PER_POD})")
     if len(tenants) > MAX_TENANTS_PER_POD + 1:
         raise MetricsParseError(f"{len(tenants)} tenants: more than the {MAX_TENANTS_PER_POD} a pod may report")
+    for name in (*tenants, *wanted, *reach, *refusals):
+        if not is_tenant_name(name):
+            raise MetricsParseError(f"a tenant label of {len(name)} characters: a runtime names tenants with at "
+                                    f"most {MAX_TENANT_LENGTH}")
     per_tenant = {t: Counters(**counts) for t, counts in tenants.items()}
     counters = Counters(**values)
     summed = Counters()
@@ -214,6 +219,11 @@ def parse_sample(text: str, expected_pod_uid: str | None = None) -> PodSample:
             raise MetricsParseError(f"{name} is {value}: an autoscaling signal above {MAX_LOAD:g} is not a pod's")
     return PodSample(counters, mode, drift, started, final, per_tenant, all_requests, pod_uid or "", load,
                      wanted, refusals, lease_seq, reach, records_lost)
+
+
+def is_tenant_name(name: str) -> bool:
+    """A name a runtime can give a tenant (tally_runtime/auth.py cuts every name to this length)."""
+    return len(name) <= MAX_TENANT_LENGTH
 
 
 def _check(name: str, value: float, count: bool) -> None:

@@ -7,14 +7,23 @@ at, or creates it: a 409 means someone wrote in between, and the pass reads ever
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from tally_operator import constants as c
 from tally_operator.desired import owner_reference
-from tally_operator.kube import Kube
-from tally_operator.shards import MAX_SHARD_BYTES, SHARDS, Shard, join_budgets, merged, shard_name, totals_ledger
+from tally_operator.kube import Kube, KubeError
+from tally_operator.shards import (
+    MAX_SHARD_BYTES,
+    SHARDS,
+    Shard,
+    join_budgets,
+    legacy_shard_name,
+    merged,
+    shard_bytes,
+    shard_name,
+    totals_ledger,
+)
 from tally_operator.usage import Ledger, controller_uid, ledger_from_status
 
 
@@ -36,21 +45,24 @@ def owned_shards(items: list[dict[str, Any]], meta: Mapping[str, Any]) -> dict[i
             continue
         item_meta = item.get("metadata") or {}
         usage = item.get("usage")
-        if controller_uid(item) != meta["uid"] or item_meta.get("name") != shard_name(meta["name"], index) or \
-                not isinstance(usage, Mapping):
+        name = item_meta.get("name")
+        if controller_uid(item) != meta["uid"] or not isinstance(usage, Mapping) or \
+                name not in (shard_name(meta["name"], meta["uid"], index), legacy_shard_name(meta["name"], index)):
             continue
         budgets = item.get("budgets")
         shards[index] = Shard(ledger_from_status(usage), str(item_meta.get("resourceVersion")),
-                              budgets if isinstance(budgets, Mapping) else {})
+                              budgets if isinstance(budgets, Mapping) else {}, str(name), shard_bytes(item))
     return shards
 
 
-def shard_object(meta: Mapping[str, Any], index: int, body: Mapping[str, Any],
-                 resource_version: str | None) -> dict[str, Any]:
-    """PURE: shard `index` of the service as written (`body`: its `usage` and `budgets`)."""
+def shard_object(meta: Mapping[str, Any], index: int, body: Mapping[str, Any], read: Shard | None) -> dict[str, Any]:
+    """PURE: shard `index` of the service as written (`body`: its `usage` and `budgets`) over `read`, the shard
+    as read (None: created, under the name with the service's uid)."""
     tenants = (body.get("usage") or {}).get("tenants")
+    name = read.name if read is not None and read.name else shard_name(meta["name"], meta["uid"], index)
+    resource_version = read.resource_version if read is not None else None
     return {"apiVersion": c.API_VERSION, "kind": c.SHARD_KIND,
-            "metadata": {"name": shard_name(meta["name"], index), "namespace": meta["namespace"],
+            "metadata": {"name": name, "namespace": meta["namespace"],
                          "labels": {c.LABEL_SHARD_OWNER: meta["uid"], "app.kubernetes.io/managed-by": "tally"},
                          "ownerReferences": [owner_reference(meta)],
                          **({"resourceVersion": resource_version} if resource_version else {})},
@@ -58,16 +70,29 @@ def shard_object(meta: Mapping[str, Any], index: int, body: Mapping[str, Any],
             "tenantCount": len(tenants) if isinstance(tenants, Mapping) else 0, **body}
 
 
-def write_shard(kube: Kube, meta: Mapping[str, Any], index: int, body: Mapping[str, Any],
-                resource_version: str | None) -> None:
-    obj = shard_object(meta, index, body, resource_version)
-    size = len(json.dumps(obj, separators=(",", ":")))
-    if size > MAX_SHARD_BYTES:  # never written: the bounds in shards.py keep a shard below this
+class ShardNameTaken(RuntimeError):
+    """The name this service's shard is created under holds an object that is not this service's."""
+
+
+def write_shard(kube: Kube, meta: Mapping[str, Any], index: int, body: Mapping[str, Any], read: Shard | None) -> None:
+    """Replace the shard at the resourceVersion it was read at, or create it: a 409 (`KubeError`) means someone
+    wrote in between, unless the name is taken by an object that is not ours (`ShardNameTaken`)."""
+    obj = shard_object(meta, index, body, read)
+    size = shard_bytes(obj)
+    if size > MAX_SHARD_BYTES:  # never reached: bookkeeping.plan leaves out what would make a shard this large
         raise ShardTooLarge(f"UsageShard {obj['metadata']['name']} would be {size} bytes (at most {MAX_SHARD_BYTES})")
-    if resource_version:
+    if read is not None and read.resource_version:
         kube.replace(obj)
-    else:
+        return
+    try:
         kube.create(obj)
+    except KubeError as error:
+        if not error.conflict:
+            raise
+        there = kube.get(c.API_VERSION, c.SHARD_KIND, obj["metadata"]["name"], meta["namespace"])
+        if there is not None and controller_uid(there) != meta["uid"]:
+            raise ShardNameTaken(f"UsageShard {obj['metadata']['name']} exists and is not this service's") from error
+        raise
 
 
 def whole_ledger(kube: Kube, meta: Mapping[str, Any], usage: Mapping[str, Any]) -> Ledger:

@@ -20,6 +20,7 @@ most its tenants times the pods.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,7 +31,14 @@ from tally_runtime.contract import OTHER_TENANT
 
 SHARDS = 64
 MAX_SHARD_TENANTS = 320  # per shard: 64 x 320 = 20,480, so 10,000 tenants fit however the hash falls (p < 1e-9)
-MAX_SHARD_BYTES = 256 << 10  # no shard written is larger (etcd refuses about 1.5 MiB)
+# Bounds in bytes as the API server stores a shard (its JSON in UTF-8: shard_bytes). A shard this large takes no new
+# tenant (a new name goes to `other`, and is refused under a budget): 10,000 tenants of 128 CJK characters over
+# 50 pods fill about half of it, since each name is written once per ledger (usage.ledger_status)
+SHARD_ROOM_BYTES = 256 << 10
+# No shard is ever written larger: what would make it so (a pod's round) is left for a later round instead
+# (bookkeeping.plan). etcd refuses about 1.5 MiB; the request the client sends escapes non-ASCII, up to 3x
+MAX_SHARD_BYTES = 768 << 10
+SHARD_META_BYTES = 1 << 10  # what a shard's metadata and fields around its body add
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +49,13 @@ class Shard:
     ledger: Ledger
     resource_version: str | None = None
     budgets: Mapping[str, Any] = field(default_factory=dict)  # its part of status.budgets (split_budgets)
+    name: str = ""  # the object's name ("": not created yet)
+    size: int = 0  # its bytes as stored (shard_bytes)
+
+
+def shard_bytes(obj: Mapping[str, Any]) -> int:
+    """What the API server stores for `obj`: its JSON in UTF-8 (not the 6 bytes an escape takes a character)."""
+    return len(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode(errors="surrogatepass"))
 
 
 def shard_of(tenant: str, key: str) -> int:
@@ -48,7 +63,14 @@ def shard_of(tenant: str, key: str) -> int:
     return int.from_bytes(digest, "big") % SHARDS
 
 
-def shard_name(service: str, index: int) -> str:
+def shard_name(service: str, uid: str, index: int) -> str:
+    """A shard's name: the service's uid in it, so a namesake's shards (a service deleted with
+    --cascade=orphan, or not yet collected) never stand where this service creates its own."""
+    return f"{service}-usage-{uid}-{index:02d}"
+
+
+def legacy_shard_name(service: str, index: int) -> str:
+    """The name shards were created under before the uid was in it (still read and written under it)."""
     return f"{service}-usage-{index:02d}"
 
 
@@ -124,16 +146,24 @@ def merged(totals: Ledger, shards: Mapping[int, Ledger]) -> Ledger:
         for uid, reading in ledger.readings.items():
             if reading.tenants:
                 pod_tenants.setdefault(uid, {}).update(reading.tenants)
-    readings = {uid: replace(r, tenants=pod_tenants.get(uid, {})) for uid, r in totals.readings.items()}
+    readings = {uid: replace(r, tenants=pod_tenants.get(uid, {})) for uid, r in totals.readings.items() if not r.gone}
     return replace(totals, tenants=tenants, readings=readings, tenants_folded=folded)
 
 
-def has_room(shards: Mapping[int, Ledger], tenant: str, key: str) -> bool:
-    """Whether `tenant` is in its shard, or its shard has room for it."""
-    ledger = shards.get(shard_of(tenant, key))
-    if ledger is None or tenant in ledger.tenants:
+def has_room(shards: Mapping[int, Ledger], tenant: str, key: str, closed: frozenset[int] = frozenset()) -> bool:
+    """Whether `tenant` is in its shard, or its shard has room for it (`closed`: shards full in bytes)."""
+    index = shard_of(tenant, key)
+    ledger = shards.get(index)
+    if ledger is not None and tenant in ledger.tenants:
         return True
-    return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants) < MAX_SHARD_TENANTS
+    if index in closed:
+        return False
+    return ledger is None or named(ledger) < MAX_SHARD_TENANTS
+
+
+def named(ledger: Ledger) -> int:
+    """The tenants a ledger keeps by name (`other` is not one)."""
+    return len(ledger.tenants) - (OTHER_TENANT in ledger.tenants)
 
 
 def split_by_tenant(raw: Mapping[str, Any], maps: tuple[str, ...], listed: str, key: str

@@ -57,6 +57,11 @@ class Slice:
     granted: int = 0
     ceiling: int = 0  # the most the service may be planning with (a lower grant not yet seen)
     spent: int = 0  # what it had spent at the last round (the next one's recent spend is the difference)
+    # The Budget's number when `granted` last changed: the ceiling falls to `granted` only once the service says
+    # it planned with this number or a later one. Kept with the slice, in the same BudgetShard, so a round retried
+    # after its status write was refused reads the number its shard was written with (the service's number, in
+    # the status alone, was older: a retry took a lowered slice as seen and granted it again elsewhere)
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +102,15 @@ class SlicesPlanned:
 
 def plan_slices(budget: PlatformBudget, state: SliceState, reports: Mapping[str, ServiceReport],
                 now: datetime.datetime) -> SlicesPlanned:
+    """The invariant, per tenant, after every round (test_budget_simulation.py checks it after every step):
+
+        Σ over applying services max(committed, ceiling, granted, held while it lags a month) + retired <= budget
+
+    where a service's `ceiling` is the most it may be planning with: a lower slice counts only once the service
+    says it planned with the number of the change (`Slice.seq`), and a service still in last month's books
+    counts what its pods held then, which they may spend now."""
     period = period_now(now)
+    next_seq = max(state.seq + 1, int(now.timestamp() * 1000))
     retired = dict(state.retired)
     services = {uid: s for uid, s in state.services.items()}
     if state.period != period:  # a new month: ceilings stand; recent spend counts from zero
@@ -133,17 +146,20 @@ def plan_slices(budget: PlatformBudget, state: SliceState, reports: Mapping[str,
             continue
         total = limit.monthly_tokens
         claims, committed, spent, lost, recent = {}, {}, {}, {}, {}
+        lagging: dict[str, int] = {}  # services still in an earlier month: what their pods held then
         for uid in applying:
             piece = new[uid].get(tenant, Slice())
+            books = reports[uid].tenants.get(tenant, TenantReport())
             if uid in current:
-                books = reports[uid].tenants.get(tenant, TenantReport())
-                if reports[uid].seq >= services[uid].seq:  # it planned with the slices as they stand
+                if reports[uid].seq >= piece.seq:  # it planned with this slice
                     piece = replace(piece, ceiling=piece.granted)
                 spent[uid], lost[uid] = books.spent, books.lost
                 committed[uid] = books.spent + books.held
                 recent[uid] = max(0, books.spent - piece.spent)
                 new[uid][tenant] = piece
-            claims[uid] = max(committed.get(uid, 0), piece.ceiling, piece.granted)
+            elif reports[uid].period:  # its new month starts with these leases outstanding
+                lagging[uid] = books.held
+            claims[uid] = max(committed.get(uid, lagging.get(uid, 0)), piece.ceiling, piece.granted)
         spent_now, retired_now = sum(spent.values()), retired.get(tenant, 0)
         free = total - retired_now - sum(claims.values())
         pool = total - retired_now - spent_now - sum(claims[uid] for uid in applying if uid not in current)
@@ -154,21 +170,21 @@ def plan_slices(budget: PlatformBudget, state: SliceState, reports: Mapping[str,
         for uid in sorted(current):  # lowerings first: they free nothing until the service has seen them
             piece = new[uid][tenant]
             if wanted[uid] < piece.granted:
-                new[uid][tenant] = replace(piece, granted=wanted[uid])
+                new[uid][tenant] = replace(piece, granted=wanted[uid], seq=next_seq)
         for uid in sorted(current, key=lambda u: (-asked[u], u)):
             piece = new[uid][tenant]
             if wanted[uid] > piece.granted:
                 raised = min(wanted[uid], claims[uid] + max(0, free))
                 free -= max(0, raised - claims[uid])
                 if raised > piece.granted:
-                    piece = replace(piece, granted=raised, ceiling=max(piece.ceiling, raised))
+                    piece = replace(piece, granted=raised, ceiling=max(piece.ceiling, raised), seq=next_seq)
             new[uid][tenant] = replace(piece, spent=spent[uid])
         for uid in sorted(current):  # a slice with no headroom, nothing asked or pending goes: the status stays small
             kept_piece = new[uid].get(tenant)
             if kept_piece is not None and not asked[uid] and kept_piece.granted <= spent[uid] \
                     and kept_piece.ceiling <= kept_piece.granted:
                 del new[uid][tenant]
-        claimed = sum(max(committed.get(uid, 0), p.ceiling, p.granted)
+        claimed = sum(max(committed.get(uid, lagging.get(uid, 0)), p.ceiling, p.granted)
                       for p, uid in ((new[u].get(tenant, Slice()), u) for u in applying))
         held = max(0, claimed + retired_now - spent_now)
         views[tenant] = TenantTotals(total, spent_now, held, max(0, total - spent_now - held),
@@ -178,7 +194,7 @@ def plan_slices(budget: PlatformBudget, state: SliceState, reports: Mapping[str,
                         if {t: p.granted for t, p in new[uid].items()} !=
                         {t: p.granted for t, p in services[uid].tenants.items()})
     if changed:
-        seq = max(state.seq + 1, int(now.timestamp() * 1000))
+        seq = next_seq
     out = {uid: replace(s, tenants=new.get(uid, s.tenants) if s.applied else {},
                         seq=seq if uid in changed else s.seq)
            for uid, s in services.items()}
@@ -194,7 +210,7 @@ def slices_status(planned: SlicesPlanned) -> dict[str, object]:
                         "unspent": v.unspent} for t, v in sorted(planned.tenants.items())},
         "services": [{"namespace": s.namespace, "name": s.name, "uid": uid, "seq": s.seq, "applied": s.applied,
                       **({"reason": s.reason} if s.reason else {}), "pods": s.pods,
-                      "tenants": {t: {"granted": p.granted, "ceiling": p.ceiling, "spent": p.spent}
+                      "tenants": {t: {"granted": p.granted, "ceiling": p.ceiling, "spent": p.spent, "seq": p.seq}
                                   for t, p in sorted(s.tenants.items())}}
                      for uid, s in sorted(state.services.items(), key=lambda i: (i[1].namespace, i[1].name))],
         "retired": dict(sorted(state.retired.items())),
@@ -212,7 +228,9 @@ def state_from_budget_status(raw: Mapping[str, object]) -> SliceState:
         if not isinstance(item, Mapping) or not isinstance(item.get("uid"), str):
             continue
         pieces = item.get("tenants")
-        tenants = {str(t): Slice(whole(p.get("granted")), whole(p.get("ceiling")), whole(p.get("spent")))
+        # (a slice written before it kept its number has the service's: the number of its last change)
+        tenants = {str(t): Slice(whole(p.get("granted")), whole(p.get("ceiling")), whole(p.get("spent")),
+                                 whole(p.get("seq")) if "seq" in p else whole(item.get("seq")))
                    for t, p in (pieces.items() if isinstance(pieces, Mapping) else []) if isinstance(p, Mapping)}
         services[item["uid"]] = ServiceSlices(str(item.get("namespace") or ""), str(item.get("name") or ""),
                                               item["uid"], whole(item.get("seq")), item.get("applied") is not False,

@@ -30,8 +30,8 @@ folded (once per pod and epoch).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tally_operator.pods import is_started, is_terminal
@@ -39,6 +39,7 @@ from tally_operator.samples import MAX_COUNT, MAX_TENANTS_PER_POD, TENANT_FIELDS
 from tally_runtime.contract import OTHER_TENANT
 
 MAX_LEDGER_TENANTS = 1000  # named tenants per service in the ledger; later ones are booked to `other`
+MAX_NAMES = 1 << 16  # tenant names a ledger's readings refer to, as read back (its pods x 1,001 at the most)
 Tenants = Mapping[str, Counters]
 
 
@@ -52,6 +53,9 @@ class Reading:
     # The pod's own tenant counters under that epoch (None: kept by a status from before tenant readings:
     # the pod's next sample is its tenants' baseline)
     tenants: Tenants | None = None
+    # The pod is gone; its reading stays in the status's totals until no UsageShard holds a reading of it
+    # (tenant_books.caught_up: a shard reading the totals no longer hold is otherwise a pod they never knew)
+    gone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,9 @@ class Ledger:
     complete: bool = True
     tenants: Tenants = field(default_factory=dict)  # tenant -> its totals (the four tenant fields)
     tenants_folded: int = 0  # tenant names booked to `other` because the ledger was full
+    # It takes no new tenant name, for good (a UsageShard full in bytes: shards.SHARD_ROOM_BYTES): a name folded
+    # into `other` never starts a line of its own later, which would hold only part of its usage
+    closed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +95,12 @@ class Booking:
 
 
 def book(ledger: Ledger, round_: Round, capacity: int = MAX_LEDGER_TENANTS, down: frozenset[str] = frozenset(),
-         baseline: frozenset[str] | None = None) -> Booking:
+         baseline: frozenset[str] | None = None, tombstones: bool = False) -> Booking:
     """Add the round's increases to the ledger (see the module's rules). `capacity`: the named tenants the
     ledger keeps; `down`: pods whose counters went down elsewhere (another part of the books): they book nothing
     here either; `baseline`: the pods without a reading here that are a baseline (None: every such pod while
-    the ledger is not complete)."""
+    the ledger is not complete); `tombstones`: a pod that goes keeps its reading one round more, marked gone
+    (the status's totals: tenant_books.caught_up)."""
     readings = dict(ledger.readings)
     tenants = dict(ledger.tenants)
     increase, lost, regressed, folded = Counters(), 0, [], 0
@@ -131,14 +139,17 @@ def book(ledger: Ledger, round_: Round, capacity: int = MAX_LEDGER_TENANTS, down
         readings[uid] = Reading(sample.counters, sample.started, sample.final, dict(sample.tenants))
     present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
     for gone in sorted(set(readings) - present):
-        lost += 0 if readings.pop(gone).final else 1
+        left = readings.pop(gone)
+        lost += 0 if left.final or left.gone else 1
+        if tombstones and not left.gone:
+            readings[gone] = replace(left, gone=True)
     # After an upgrade from a status without readings, pods are a baseline until every counted pod has one (a
     # pod whose first scrape failed is not new usage when it is read later)
     booked = Ledger(readings=readings, totals=ledger.totals.plus(increase).capped(MAX_COUNT),
                     unaccounted=ledger.unaccounted + lost,
                     sequence=ledger.sequence + 1, complete=ledger.complete or present <= set(readings),
                     tenants={name: c.capped(MAX_COUNT) for name, c in tenants.items()},
-                    tenants_folded=ledger.tenants_folded + folded)
+                    tenants_folded=ledger.tenants_folded + folded, closed=ledger.closed)
     return Booking(booked, increase, lost, tuple(regressed), tenant_increase, folded)
 
 
@@ -252,19 +263,35 @@ def _counters_from(raw: Mapping[str, object]) -> Counters:
     return Counters(**{name: _count(raw.get(key, 0)) for name, key in _STATUS_KEYS.items()})
 
 
-def _pod_tenants_status(tenants: Tenants) -> dict[str, list[int]]:
-    """A pod's tenant counters, compact: [requests, prompt, completion, cached] (see DESIGN.md for its size)."""
-    return {name: [int(getattr(c, f)) for f in TENANT_FIELDS] for name, c in sorted(tenants.items())}
+def _pod_tenants_status(tenants: Tenants, index: Mapping[str, int]) -> list[list[int]]:
+    """A pod's tenant counters, compact: [name's index in the ledger's `names`, requests, prompt, completion,
+    cached]. A name is written once per ledger however many pods read it: with 128-character names (up to 512
+    bytes each) repeated per pod, one shard of 50 pods passed etcd's limit."""
+    return [[index[name], *(int(getattr(c, f)) for f in TENANT_FIELDS)] for name, c in sorted(tenants.items())]
 
 
-def _pod_tenants_from(raw: object) -> Tenants | None:
+def _pod_tenants_from(raw: object, names: Sequence[str]) -> Tenants | None:
+    """A pod's tenant readings, as `_pod_tenants_status` writes them (or, before it, a map name -> counts)."""
+    tenants = {}
+    if isinstance(raw, list):
+        for row in raw[:MAX_TENANTS_PER_POD + 1]:
+            if isinstance(row, list) and len(row) == len(TENANT_FIELDS) + 1 and isinstance(row[0], int) and \
+                    not isinstance(row[0], bool) and 0 <= row[0] < len(names):
+                tenants[names[row[0]]] = Counters(**{f: _count(v) for f, v in zip(TENANT_FIELDS, row[1:], strict=True)})
+        return tenants
     if not isinstance(raw, Mapping):
         return None
-    tenants = {}
     for name, values in sorted(raw.items())[:MAX_TENANTS_PER_POD + 1]:
         if isinstance(name, str) and isinstance(values, list) and len(values) == len(TENANT_FIELDS):
             tenants[name] = Counters(**{f: _count(v) for f, v in zip(TENANT_FIELDS, values, strict=True)})
     return tenants
+
+
+def _names_from(raw: object) -> list[str]:
+    """The ledger's table of tenant names its pods' readings refer to (bounded like the readings)."""
+    if not isinstance(raw, list):
+        return []
+    return [name if isinstance(name, str) else "" for name in raw[:MAX_NAMES]]
 
 
 def tenants_status(tenants: Tenants) -> dict[str, dict[str, int]]:
@@ -283,13 +310,17 @@ def tenants_from(raw: object) -> dict[str, Counters]:
 def ledger_status(ledger: Ledger) -> dict[str, object]:
     """The ledger's part of `status.usage`: the totals, the tenants and, in the same write, every reading they
     stand on."""
+    names = sorted({name for r in ledger.readings.values() for name in (r.tenants or {})})
+    index = {name: i for i, name in enumerate(names)}
     pods = [{"uid": uid, "final": r.final, **({"epoch": r.epoch} if r.epoch is not None else {}),
+             **({"gone": True} if r.gone else {}),
              **_counters_status(r.counters),
-             **({"tenants": _pod_tenants_status(r.tenants)} if r.tenants is not None else {})}
+             **({"tenants": _pod_tenants_status(r.tenants, index)} if r.tenants is not None else {})}
             for uid, r in sorted(ledger.readings.items())]
     return {**_counters_status(ledger.totals), "podsUnaccounted": ledger.unaccounted, "sequence": ledger.sequence,
             "tenants": tenants_status(ledger.tenants), "tenantsFolded": ledger.tenants_folded, "pods": pods,
-            **({} if ledger.complete else {"complete": False})}
+            **({"names": names} if names else {}), **({} if ledger.complete else {"complete": False}),
+            **({"closed": True} if ledger.closed else {})}
 
 
 def shard_status(ledger: Ledger) -> dict[str, object]:
@@ -309,12 +340,13 @@ def ledger_from_status(usage: Mapping[str, object]) -> Ledger:
     status from before the tenant ledger has its totals so far in tenant `other`, so the sums hold."""
     readings: dict[str, Reading] = {}
     raw_pods = usage.get("pods")
+    names = _names_from(usage.get("names"))
     for pod in raw_pods if isinstance(raw_pods, list) else []:
         if isinstance(pod, Mapping) and isinstance(pod.get("uid"), str):
             epoch = pod.get("epoch")
             readings[str(pod["uid"])] = Reading(_counters_from(pod), float(epoch) if isinstance(
                 epoch, int | float) and not isinstance(epoch, bool) else None, bool(pod.get("final")),
-                _pod_tenants_from(pod.get("tenants")))
+                _pod_tenants_from(pod.get("tenants"), names), pod.get("gone") is True)
     unaccounted, sequence, folded = usage.get("podsUnaccounted", 0), usage.get("sequence", 0), \
         usage.get("tenantsFolded", 0)
     totals = _counters_from(usage)
@@ -327,4 +359,5 @@ def ledger_from_status(usage: Mapping[str, object]) -> Ledger:
                   sequence=sequence if isinstance(sequence, int) else 0,
                   complete=(not usage or isinstance(raw_pods, list)) and usage.get("complete") is not False,
                   tenants=tenants,
-                  tenants_folded=folded if isinstance(folded, int) else 0)
+                  tenants_folded=folded if isinstance(folded, int) else 0,
+                  closed=usage.get("closed") is True)

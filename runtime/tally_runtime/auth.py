@@ -36,7 +36,6 @@ from tally_runtime.protocol import ApiError
 log = logging.getLogger("tally_runtime.auth")
 
 MAX_KEYS_FILE_BYTES = 1 << 20
-MAX_TENANT_LENGTH = 128
 RELOAD_SECONDS = 1.0
 NO_TENANT = "anonymous"  # requests that named no consumer
 
@@ -94,8 +93,8 @@ def parse_keys(text: str) -> tuple[dict[bytes, Key], list[str]]:
 
 
 def tenant_problem(tenant: str) -> str:
-    if len(tenant) > MAX_TENANT_LENGTH or not tenant.isprintable():
-        return f"a tenant name must be printable and at most {MAX_TENANT_LENGTH} characters"
+    if len(tenant) > contract.MAX_TENANT_LENGTH or not tenant.isprintable():
+        return f"a tenant name must be printable and at most {contract.MAX_TENANT_LENGTH} characters"
     if tenant in {contract.OTHER_TENANT, NO_TENANT}:
         return f"the tenant name {tenant!r} is reserved"
     return ""
@@ -212,7 +211,7 @@ def resolve(keyed: Key | None, tenant_headers: Sequence[str], trust_header: bool
 
 def named(value: str, source: str, param: str) -> Tenant:
     """A tenant a request names itself (header or `user`); `other` is refused: it is the overflow bucket."""
-    tenant = value.strip()[:MAX_TENANT_LENGTH]
+    tenant = value.strip()[:contract.MAX_TENANT_LENGTH]
     if tenant == contract.OTHER_TENANT:
         raise ApiError(400, f"The tenant name {tenant!r} is reserved for tenants beyond the server's bound; use "
                             "another name", param=param, code="invalid_tenant")

@@ -63,6 +63,7 @@ TENANT_COMPLETION_TOKENS = f"{PREFIX}_tenant_completion_tokens"  # counter{tenan
 TENANT_CACHED_TOKENS = f"{PREFIX}_tenant_cached_tokens"  # counter{tenant}
 TENANT_OVERFLOW = f"{PREFIX}_tenant_overflow_requests"  # counter: requests booked to OTHER_TENANT
 OTHER_TENANT = "other"  # the bucket for tenants beyond the bound
+MAX_TENANT_LENGTH = 128  # characters of a tenant's name (printable ones): the operator refuses longer labels
 TENANT_SOURCES = f"{PREFIX}_tenant_sources"  # counter{source}: requests by what named their tenant
 
 # SGLang's own counters (its multiprocess collector is served beside ours)

@@ -72,17 +72,20 @@ def test_a_sharded_service_is_read_from_its_usage_shards_and_one_tenant_at_a_gla
     """The tenants of a service written with shards are in its UsageShards (`other` in several, summed); a
     shard of another service, or one the status layout still owns, is not counted twice."""
     from tally_operator.shard_store import shard_object
+    from tally_operator.shards import Shard
+    from tally_operator.usage import Ledger
 
     meta = {"namespace": "team", "name": "chat", "uid": "u1"}
     sharded = {**service("u1", {}), "status": {"usage": {"shardKey": "k", "completionTokens": 33}}}
 
     def part(index: int, tenants: dict[str, tuple[int, int, int, int]]) -> dict[str, Any]:
-        return shard_object(meta, index, {"usage": service("u1", tenants)["status"]["usage"]}, "7")
+        return shard_object(meta, index, {"usage": service("u1", tenants)["status"]["usage"]}, Shard(Ledger(), "7"))
 
     document = listing(sharded, part(0, {"acme": (1, 2, 3, 0), "other": (1, 1, 1, 0)}),
                        part(5, {"zeta": (2, 2, 20, 0), "other": (1, 1, 9, 0)}),
                        shard_object({**meta, "uid": "u9", "name": "gone"}, 1,
-                                    {"usage": service("u9", {"acme": (5, 5, 5, 5)})["status"]["usage"]}, "1"))
+                                    {"usage": service("u9", {"acme": (5, 5, 5, 5)})["status"]["usage"]},
+                                    Shard(Ledger(), "1")))
     found = {(r.service, r.tenant): r.counts for r in rows(document)}
     assert found == {("chat", "acme"): (1, 2, 3, 0), ("chat", "other"): (2, 2, 10, 0), ("chat", "zeta"): (2, 2, 20, 0),
                      ("gone", "acme"): (5, 5, 5, 5)}
