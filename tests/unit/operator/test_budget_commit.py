@@ -102,3 +102,38 @@ def test_a_month_that_rolls_over_counts_what_a_lagging_services_pods_still_hold(
                              "b": report("b", seq, period="2026-12", asked=BUDGET)}, DECEMBER)
     b = slice_of(december, "b")
     assert BUDGET + max(b["ceiling"], b["granted"]) <= BUDGET, b
+
+
+def test_a_pass_on_a_spec_the_operator_refuses_carries_every_tenants_month_unchanged() -> None:
+    """A spec refused (policy.allowedImages narrowed, say) still books what the pods serve, but cannot tell whether
+    budgets apply: it must carry them as they are. It rewrote every shard without them: a tenant that had spent
+    40,000 of 100,000 was charged its lifetime and refused for the month, and lost leases were forgiven."""
+    from tenant_pods import Pod
+
+    from tally_operator.bookkeeping import Observed, plan
+    from tally_operator.budget import BudgetConfig, TenantBudget
+    from tally_operator.observations import Observations
+    from tally_operator.shards import Shard
+    from tally_operator.usage import Round, ledger_from_status
+
+    pod = Pod("pod-a")
+    pod.serve("acme", 30_000, 10_000)
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=100_000))
+    status: dict[str, Any] = {}
+    shards: dict[int, Any] = {}
+
+    def one_pass(budgets: BudgetConfig | None, keep: frozenset[str] | None) -> None:
+        nonlocal status
+        read = {i: Shard(ledger_from_status(body["usage"]), "1", body.get("budgets") or {})
+                for i, body in shards.items()}
+        planned = plan(status, Observations(), Observed(1, [], {}, Round({pod.uid: pod.sample()}), budgets=budgets,
+                                                        serving=frozenset({pod.uid}), keep=keep, shards=read,
+                                                        shard_key="k" * 32), "2026-12-06T12:00:00Z")
+        shards.update({index: round_trip(body) for index, body in planned.shards.items()})
+        status = round_trip(planned.status)
+
+    one_pass(config, frozenset({"usage", "budgets"}))
+    before = (json.dumps(status["budgets"], sort_keys=True), json.dumps(shards, sort_keys=True))
+    assert any("budgets" in body and "acme" in body["budgets"].get("tenants", {}) for body in shards.values())
+    one_pass(None, None)  # the spec refused: nothing applied, books kept (keep=None: every status key carried)
+    assert (json.dumps(status["budgets"], sort_keys=True), json.dumps(shards, sort_keys=True)) == before
