@@ -101,11 +101,43 @@ def plan(previous: Mapping[str, Any], observations: Observations, observed: Obse
         verdicts.append(usage_verdict)
         fields.update(books.fields)
     status = build_status(previous, verdicts, now, observed.generation, fields, observed.keep)
-    return Plan(status=status, changed=without_times(status) != without_times(previous),
+    changed = status_changed(status, previous, now)
+    if not changed and books is not None:  # an idle round: the persisted ledger (its sequence) is still the one
+        persisted = ledger_from_status(previous.get("usage") or {})
+        observations = replace(observations, sequence=persisted.sequence)
+    return Plan(status=status, changed=changed,
                 transitions=transitions(previous.get("conditions") or [], status["conditions"]),
                 observations=observations, booking=books.booking if books else None, verdict=usage_verdict,
                 budgets=books.budgets if books else None, shards=books.shard_writes if books else {},
                 ledger=books.booking.ledger if books else None, left_out=books.left_out if books else {})
+
+
+REFRESH_SECONDS = 60  # an idle service's status says it is read at least this often (usage.lastScrapeTime)
+
+
+def status_changed(status: Mapping[str, Any], previous: Mapping[str, Any], now: str) -> bool:
+    """Whether `status` must be written over `previous`: it says something new. A round that booked nothing
+    (the ledger's sequence and the scrape time alone moved) writes only once the scrape time is
+    `REFRESH_SECONDS` old: an idle service's status was rewritten every round."""
+    if without_times(status) == without_times(previous):
+        return False
+    if without_round(status) != without_round(previous):
+        return True
+    last = (previous.get("usage") or {}).get("lastScrapeTime")
+    try:
+        age = (parse_time(now) - parse_time(str(last))).total_seconds()
+    except ValueError:
+        return True
+    return not 0 <= age < REFRESH_SECONDS
+
+
+def without_round(status: Mapping[str, Any]) -> dict[str, Any]:
+    usage = {k: v for k, v in (status.get("usage") or {}).items() if k not in ("sequence", "lastScrapeTime")}
+    return {**without_times(status), "usage": usage}
+
+
+def parse_time(stamp: str) -> datetime.datetime:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +219,7 @@ def book_round(previous: Mapping[str, Any], observed: Observed, round_: Round, n
         before = merged(totals, shards)  # the whole ledger the round was booked into (budgets read tenants)
         budgets = plan_budgets(observed.budgets, before, whole, state_from_status(persisted),
                                observed.serving - set(left_out),
-                               datetime.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC),
+                               parse_time(now),
                                {uid: s.wanted for uid, s in round_.samples.items() if s.wanted},
                                {uid: LeaseReport(s.lease_seq, s.reach) for uid, s in round_.samples.items()
                                 if s.lease_seq},

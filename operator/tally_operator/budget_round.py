@@ -75,7 +75,7 @@ async def budget_round(ctx: Context, name: str, platform: Sequence[PlatformBudge
             others = [b for b in platform if b.uid != budget.uid] + [budget]
             reports = {s["metadata"]["uid"]: report(s, budget, others) for s in services}
             key = ctx.signer.derived_key(f"budget-shards/{meta['uid']}")  # as every operator of the release derives
-            planned = plan_round(budget, kept, shards, reports, now, key)
+            planned = await asyncio.to_thread(plan_round, budget, kept, shards, reports, now, key)  # off the loop
             result = verdict(reports, unreadable, "")
         fields = planned.fields if planned is not None else {}
         writes = planned.writes if planned is not None else {}

@@ -135,6 +135,12 @@ class OperatorMetrics:
 
     def budgets(self, namespace: str, name: str, tenants: Mapping[str, TenantView],
                 refusals: Mapping[str, float]) -> None:
+        """The tenants' gauges as this round planned them; a tenant no longer planned (or refused) loses its series
+        (they grew by every name a pod ever asked for)."""
+        for gauge, kept in ((self.budget_remaining, tenants), (self.budget_spent, tenants),
+                            (self.budget_refusals, refusals)):
+            for labels in [k for k in list(gauge._metrics) if k[:2] == (namespace, name) and k[2] not in kept]:
+                gauge.remove(*labels)
         for tenant, view in tenants.items():
             self.budget_remaining.labels(namespace, name, tenant).set(view.remaining)
             self.budget_spent.labels(namespace, name, tenant).set(view.spent)
