@@ -3,6 +3,7 @@ Prometheus; with `--since`, the usage of a period: the difference from a snapsho
 
     kubectl get completionservices,usageshards -A -o json > 2026-12.json          # at the start of the period
     kubectl get completionservices,usageshards -A -o json | tally-usage --since 2026-12.json
+    (a service deleted in the period is refused: what it booked after the snapshot is in neither input)
     kubectl get completionservices,usageshards -A -o json | tally-usage --tenant acme   # one tenant's lines
     kubectl get budgets,budgetshards -o json | tally-usage       # each tenant's month under each Budget
 
@@ -108,10 +109,18 @@ def budget_rows(document: Mapping[str, Any]) -> list[BudgetRow]:
     return found
 
 
-def period(now: Sequence[Row], start: Sequence[Row]) -> list[Row]:
-    """What each tenant used between two snapshots: now minus start, per service (by uid) and tenant."""
+def period(now: Sequence[Row], start: Sequence[Row], ignore_deleted: bool = False) -> list[Row]:
+    """What each tenant used between two snapshots: now minus start, per service (by uid) and tenant. A service
+    in the snapshot and gone now was deleted in the period: what it booked after the snapshot is in neither, so it
+    is refused (`ignore_deleted`: left out, which the caller says)."""
     earlier = {(r.namespace, r.service, r.tenant): r for r in start}
     uids = {(r.namespace, r.service): r.uid for r in start}
+    gone = sorted({(r.namespace, r.service) for r in start} - {(r.namespace, r.service) for r in now})
+    if gone and not ignore_deleted:
+        named = ", ".join("/".join(g) for g in gone[:10]) + (", ..." if len(gone) > 10 else "")
+        raise ReportError(f"{len(gone)} service(s) of the snapshot are gone ({named}): deleted in the period, what "
+                          "they booked after the snapshot is in neither input. Bill them from their usage records, or "
+                          "pass --ignore-deleted to leave them out")
     result = []
     for row in now:
         uid = uids.get((row.namespace, row.service))
@@ -151,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("input", nargs="?", default="-",
                         help="`kubectl get completionservices,usageshards -o json` output (default: standard input)")
     parser.add_argument("--since", metavar="SNAPSHOT", help="the same output saved at the period's start")
+    parser.add_argument("--ignore-deleted", action="store_true",
+                        help="with --since: leave out services deleted in the period (named on standard error)")
     parser.add_argument("--tenant", help="only this tenant's lines")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args(argv)
@@ -158,7 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         document = _load(args.input)
         found, months = rows(document), budget_rows(document)
         if args.since:
-            found = period(found, rows(_load(args.since)))
+            start = rows(_load(args.since))
+            found = period(found, start, args.ignore_deleted)
+            left = sorted({f"{r.namespace}/{r.service}" for r in start} - {f"{r.namespace}/{r.service}" for r in found})
+            if left:
+                print(f"tally-usage: left out, deleted in the period: {', '.join(left)}", file=sys.stderr)
         if args.tenant is not None:
             found = [row for row in found if row.tenant == args.tenant]
             months = [month for month in months if month.tenant == args.tenant]
