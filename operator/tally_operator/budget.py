@@ -162,7 +162,15 @@ def plan_budgets(config: BudgetConfig, before: Ledger, after: Ledger, state: Bud
                  reports: Mapping[str, LeaseReport] | None = None,
                  room: Callable[[str], bool] | None = None) -> Planned:
     """The budgets after a booked round: leases to keep and send, and what each tenant has left. `room`: whether
-    the ledger can keep a tenant it does not hold yet apart (default: the ledger holds fewer than its bound)."""
+    the ledger can keep a tenant it does not hold yet apart (default: the ledger holds fewer than its bound).
+
+    The invariant, per tenant, after every round (tests/unit/operator/test_budget.py checks at every step that
+    no tenant spends past its budget while pods die, restart and miss scrapes):
+
+        spent this period + Σ over pods max(0, what the pod may reach - its reading) + lost this period <= budget
+
+    where what a pod may reach is the highest allowance of any message it may still apply (a lower one counts
+    only once its /metrics show it applied it)."""
     if room is None:
         room = lambda _tenant: not _ledger_full(after)  # noqa: E731
     period, period_end = period_of(now)

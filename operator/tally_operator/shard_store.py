@@ -1,8 +1,10 @@
 """I/O: a service's UsageShards read and written (shards.py says what they hold).
 
-Only shards the service owns are read (its uid as controller, the name its index gives); anything else is
-not ours, whatever its name or labels. Each write replaces one shard whole at the resourceVersion it was read
-at, or creates it: a 409 means someone wrote in between, and the pass reads everything again (books.py).
+Only shards the service owns are read (its uid as controller, the name its index and uid give, or the name
+shards had before the uid was in it); anything else is not ours, whatever its name or labels, and a name an
+object not ours holds is reported, never adopted (`ShardNameTaken`). Each write replaces one shard whole at the
+resourceVersion it was read at, or creates it: a 409 means someone wrote in between, and the pass reads
+everything again (books.py).
 """
 
 from __future__ import annotations

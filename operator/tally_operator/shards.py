@@ -2,19 +2,22 @@
 
 `status.usage` keeps the service's totals and each pod's last total reading (a few hundred bytes a pod);
 each tenant's totals and each pod's last reading of that tenant live in one of `SHARDS` UsageShard objects,
-chosen by a keyed hash of the tenant's name (the key is random per service and kept in `status.usage`, so
-no client can aim its names at one shard). A shard is a ledger of its own (usage.py's `Ledger`, over its
-tenants only): it books a round from its own readings, so booking it again after a write that did not land
-books nothing twice, and each shard is written by compare-and-swap only when it changed.
+chosen by a keyed hash of the tenant's name (the key is derived from the service's uid with the chart's signing
+key, and kept in `status.usage`, so no client can aim its names at one shard). A shard is a ledger of its own
+(usage.py's `Ledger`, over its tenants only): it books a round from its own readings, so booking it again after
+a write that did not land books nothing twice, and each shard is written by compare-and-swap only when it
+changed.
 
 One decision per pod: a pod whose counters went down under one epoch, in the totals or in any shard, books
 nothing anywhere this round (`book(..., down=...)`). The shards of a round are written before the status:
 a shard write that lands and a status write that does not is booked again from the shard's own readings
 (nothing twice), and the status's totals catch up from theirs.
 
-Bounds: at most `MAX_SHARD_TENANTS` tenants a shard (a tenant whose shard is full is booked to `other`,
-and refused under a budget), so 10,000 tenants a service fit with room to spare; a shard's readings are at
-most its tenants times the pods.
+Bounds: at most `MAX_SHARD_TENANTS` tenants a shard and `SHARD_ROOM_BYTES` as stored (a tenant whose shard is
+full is booked to `other`, and refused under a budget), so 10,000 tenants a service fit with room to spare; a
+shard's readings are at most its tenants times the pods, each name written once (usage.ledger_status); no
+shard is written past `MAX_SHARD_BYTES` (bookkeeping.plan_books leaves the pods that would make it so for a
+later round).
 """
 
 from __future__ import annotations
