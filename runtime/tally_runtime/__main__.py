@@ -90,7 +90,13 @@ def connections_for(settings: Settings) -> Connections:
     per_client = settings.max_unauthenticated_connections_per_client if settings.api_keys_file else 0
     return Connections(caps, settings.max_connections, per_client, authenticated_ports=frozenset({settings.port}),
                        per_client_caps=per_address,
-                       per_tenant=settings.max_connections_per_tenant if settings.api_keys_file else 0)
+                       per_tenant=settings.max_connections_per_tenant if settings.api_keys_file else 0,
+                       probation=PROBATION_SECONDS)
+
+
+# A connection past its address's pre-authentication bound is admitted, and must authenticate within this long:
+# clients behind one gateway address open their connections at once and authenticate in milliseconds
+PROBATION_SECONDS = 2.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

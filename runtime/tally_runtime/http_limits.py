@@ -11,7 +11,14 @@ httptools protocol buffers a whole head (any size, for as long as a client cares
   on a port that has a cap of that kind (the metrics port: a few addresses must not take all of it), with API
   keys per client address before that client's first authenticated request, and per tenant once it is
   authenticated (one key must not hold every API connection); the app closes the connection after an
-  authentication refusal (`Connection: close`);
+  authentication refusal (`Connection: close`). With `probation` (the runtime's API port), a connection past
+  its address's bound is not refused: it must authenticate within that many seconds, or it is closed, and
+  while it has not, a connection that finds the port full takes its place (the oldest on probation goes).
+  Every client behind one address (a gateway, a mesh, a NAT) opens its connections at once and authenticates
+  within milliseconds; refused at connect, 84 of 100 SDK clients behind one relay got 429s. So an address
+  holds no more than its bound of unauthenticated connections that keep anyone else out, as before;
+- every refusal is the OpenAI error envelope (`{"error": {"message", "type", "param", "code"}}`) with
+  `Retry-After` where trying again may help, so an SDK knows what it got;
 - once the server drains, every response closes its connection and idle keep-alive connections are
   closed, so a pooled client's next request opens a new connection, which the Service sends elsewhere.
 The body's size is bounded by the app (respond.py).
@@ -20,6 +27,7 @@ The body's size is bounded by the app (respond.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -28,6 +36,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tally_runtime.client_watch import HANG_UP
+from tally_runtime.protocol import error_type
 
 log = logging.getLogger("tally_runtime.http")
 
@@ -47,7 +56,8 @@ class Connections:
 
     def __init__(self, caps: Mapping[int, int], default_cap: int, unauthenticated_per_client: int = 0,
                  authenticated_ports: frozenset[int] = frozenset(), per_client_caps: Mapping[int, int] | None = None,
-                 per_tenant: int = 0) -> None:
+                 per_tenant: int = 0, probation: float = 0.0) -> None:
+        self.probation = probation  # > 0: a connection past its address's bound may stay that long unauthenticated
         self.caps = dict(caps)
         self.default_cap = default_cap
         self.unauthenticated_per_client = unauthenticated_per_client
@@ -58,6 +68,7 @@ class Connections:
         self.unauthenticated: Counter[str] = Counter()
         self.by_client: Counter[tuple[int, str]] = Counter()  # on ports with a per-client cap
         self.by_tenant: Counter[str] = Counter()
+        self.on_probation: dict[int, dict[Any, None]] = {}  # port -> its connections on probation, oldest first
         self.closing = False  # draining: every response closes its connection
         self.on_refused: Callable[[str], object] | None = None  # counts each refusal by why (the app's metric)
 
@@ -66,12 +77,17 @@ class Connections:
         return bool(self.unauthenticated_per_client) and port in self.authenticated_ports
 
     def admit(self, protocol: Any, port: int, client: str) -> str:
-        """Count a new connection in; a non-empty answer is why it is refused (and it is not counted)."""
+        """Count a new connection in; a non-empty answer is why it is refused (and it is not counted), "probation"
+        that it is counted but must authenticate within `probation` seconds."""
         on_port = self.open.setdefault(port, set())
         if len(on_port) >= self.caps.get(port, self.default_cap):
-            return self._refused("port")
+            oldest = next(iter(self.on_probation.get(port, {})), None)
+            if oldest is None:
+                return self._refused("port")
+            oldest.evict()  # on probation, not authenticated yet: it makes room (and is released now)
         bounded = self.bounds_client(port)
-        if bounded and self.unauthenticated[client] >= self.unauthenticated_per_client:
+        past = bounded and self.unauthenticated[client] >= self.unauthenticated_per_client
+        if past and not self.probation:
             return self._refused("client")
         if port in self.per_client_caps and self.by_client[port, client] >= self.per_client_caps[port]:
             return self._refused("client")
@@ -80,6 +96,9 @@ class Connections:
             self.unauthenticated[client] += 1
         if port in self.per_client_caps:
             self.by_client[port, client] += 1
+        if past:
+            self.on_probation.setdefault(port, {})[protocol] = None
+            return "probation"
         return ""
 
     def tenant(self, protocol: Any, tenant: str) -> bool:
@@ -115,8 +134,12 @@ class Connections:
         else:
             del self.unauthenticated[client]
 
+    def off_probation(self, protocol: Any, port: int) -> None:
+        self.on_probation.get(port, {}).pop(protocol, None)
+
     def release(self, protocol: Any, port: int, client: str, unauthenticated: bool) -> None:
         self.open.get(port, set()).discard(protocol)
+        self.off_probation(protocol, port)
         if unauthenticated:
             self.authenticated(client)
         if port in self.per_client_caps:
@@ -142,6 +165,12 @@ class Connections:
                 cycle.keep_alive = False
 
 
+def refusal_body(status: int, message: str, code: str) -> bytes:
+    """PURE: a refusal in the OpenAI error envelope (protocol.ApiError's), as bytes."""
+    return json.dumps({"error": {"message": message, "type": error_type(status), "param": None,
+                                 "code": code or None}}).encode()
+
+
 def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: float = 30.0,
                      connections: Connections | None = None) -> type[HttpToolsProtocol]:
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -152,19 +181,56 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
             self._head_timer: asyncio.TimerHandle | None = None
             self._counted = False
             self._unauthenticated = False
+            self._probation: asyncio.TimerHandle | None = None
             if connections is not None:
                 why = connections.admit(self, self._port, self._client)
-                if why:
-                    status = b"429 Too Many Requests" if why == "client" else b"503 Service Unavailable"
-                    self._refuse(status, "too many connections" + (" from this client before it authenticated"
-                                                                   if why == "client" else ""), quiet=True)
+                if why and why != "probation":
+                    self._refuse_connection(why)
                     return
                 self._counted = True
                 self._unauthenticated = connections.bounds_client(self._port)
+                if why == "probation":
+                    self._probation = self.loop.call_later(connections.probation, self._probation_over)
             self._arm(head_seconds)
+
+        def _refuse_connection(self, why: str) -> None:
+            if why == "client":
+                self._refuse(b"429 Too Many Requests", "too many connections from this client address before any "
+                             "of them authenticated; send the API key at once, or retry", quiet=True,
+                             code="rate_limit_exceeded")
+            else:
+                self._refuse(b"503 Service Unavailable", "this server holds as many connections as it may; retry "
+                             "(another pod may take it)", quiet=True, code="overloaded")
+
+        def _probation_over(self) -> None:
+            """Past its address's bound and still not authenticated: it goes (once its response, if one is under
+            way, is done)."""
+            self._probation = None
+            if not self._unauthenticated or self._refused or connections is None:
+                return
+            connections.off_probation(self, self._port)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.keep_alive = False
+                return
+            connections._refused("client")
+            self._refuse_connection("client")
+
+        def evict(self) -> None:
+            """On probation and the port full: closed at once, released now (the newcomer takes its place)."""
+            if connections is None or not self._counted:
+                return
+            self._counted = False
+            connections.release(self, self._port, self._client, self._unauthenticated)
+            self._unauthenticated = False
+            connections._refused("client")
+            if not self._refused:
+                self._refuse_connection("client")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if getattr(self, "_probation", None) is not None:
+                self._probation.cancel()  # type: ignore[union-attr]
+                self._probation = None
             if self._counted and connections is not None:
                 self._counted = False
                 connections.release(self, self._port, self._client, self._unauthenticated)
@@ -191,6 +257,7 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
             if self._unauthenticated:
                 self._unauthenticated = False
                 connections.authenticated(self._client)
+                connections.off_probation(self, self._port)
             return not tenant or connections.tenant(self, tenant)
 
         def data_received(self, data: bytes) -> None:
@@ -229,7 +296,8 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
         def _count(self, size: int) -> None:
             self._head_bytes += size
             if self._head_bytes > max_head_bytes:
-                self._refuse(b"431 Request Header Fields Too Large", f"request head larger than {max_head_bytes} bytes")
+                self._refuse(b"431 Request Header Fields Too Large", f"request head larger than {max_head_bytes} bytes",
+                             code="request_head_too_large", retry=False)
                 raise HeadTooLarge()  # stops the parser; uvicorn's 400 is suppressed above
 
         def _arm(self, seconds: float) -> None:
@@ -245,20 +313,23 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
         def _timed_out(self) -> None:
             self._head_timer = None
             if self.cycle is None or self.cycle.response_complete:  # no request in progress: idle or slow head
-                self._refuse(b"408 Request Timeout", f"no complete request head within {head_seconds:g}s")
+                self._refuse(b"408 Request Timeout", f"no complete request head within {head_seconds:g}s",
+                             code="request_timeout")
             elif self.cycle.more_body:  # the head came, the body did not finish in time
                 if self.cycle.response_started:  # the app answered already (a refusal): just end it
                     self._refused = True
                     self.transport.close()
                 else:
-                    self._refuse(b"408 Request Timeout", f"no complete request body within {body_seconds:g}s")
+                    self._refuse(b"408 Request Timeout", f"no complete request body within {body_seconds:g}s",
+                                 code="request_timeout")
 
-        def _refuse(self, status: bytes, why: str, quiet: bool = False) -> None:
+        def _refuse(self, status: bytes, why: str, quiet: bool = False, code: str = "", retry: bool = True) -> None:
             self._refused = True
             (log.debug if quiet else log.info)("Refused a request from %s: %s", self.client, why)
-            body = why.encode()
-            self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                 b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+            body = refusal_body(int(status.split()[0]), why, code)
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+                                 + (b"retry-after: 1\r\n" if retry else b"")
+                                 + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
                                  + body)
             self.transport.close()
 

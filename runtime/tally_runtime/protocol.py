@@ -33,7 +33,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = _default_type(status)
+        self.error_type = error_type(status)
         self.headers = headers or {}
         self.recorded = False  # the request it refused is recorded already (serving.Server.start)
 
@@ -41,7 +41,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
-def _default_type(status: int) -> str:
+def error_type(status: int) -> str:
+    """The OpenAI error type of a status."""
     if status == 404:
         return "not_found_error"
     if status == 503:
