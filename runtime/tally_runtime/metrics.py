@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ class Metrics:
         self._request_children: dict[str, Any] = {}
         self._source_children: dict[str, Any] = {}
         self._tenant_children: dict[str, tuple[Any, ...]] = {}
+        self._claimed: collections.Counter[str] = collections.Counter()  # labels held by requests not recorded yet
         self._resume(self.totals)
 
     def _resume(self, t: Totals) -> None:
@@ -140,10 +142,29 @@ class Metrics:
                 series.labels(tenant).inc(value)
 
     def tenant_label(self, tenant: str) -> str:
-        """The tenant's own label while fewer than `max_tenants` were seen; the shared bucket beyond."""
-        if tenant in self.totals.tenants or len(self.totals.tenants) < self.max_tenants:
+        """The tenant's own label while fewer than `max_tenants` were seen (or hold one: `claim_label`); the
+        shared bucket beyond."""
+        if tenant in self.totals.tenants or tenant in self._claimed or \
+                len(self.totals.tenants) + len(self._claimed) < self.max_tenants:
             return tenant
         return contract.OTHER_TENANT
+
+    def claim_label(self, tenant: str) -> bool:
+        """Hold the tenant's own label for a request about to be served under a budget, until its reservation
+        comes back (`release_label`); False when it has none (it would be counted under `other`, which no
+        lease covers). Without it, new tenants admitted at once all found the last label free, and the ones
+        recorded after it was taken were billed to `other`."""
+        if self.tenant_label(tenant) != tenant:
+            return False
+        if tenant not in self.totals.tenants:
+            self._claimed[tenant] += 1
+        return True
+
+    def release_label(self, tenant: str) -> None:
+        if self._claimed[tenant] > 1:
+            self._claimed[tenant] -= 1
+        else:
+            self._claimed.pop(tenant, None)
 
     def record_tenant(self, tenant: str, usage: RequestUsage | None) -> None:
         label = self.tenant_label(tenant)
@@ -151,6 +172,7 @@ class Metrics:
             self.tenant_overflow.inc()
             self.totals.tenant_overflow += 1
         values = self.totals.tenants.setdefault(label, [0.0, 0.0, 0.0, 0.0])
+        self._claimed.pop(label, None)  # in the totals now: its label is its own for good
         counts = (1, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens or 0) if usage else (1, 0, 0, 0)
         children = self._tenant_children.get(label)
         if children is None:  # one lookup per tenant, not four per request (bounded by max_tenants)

@@ -88,12 +88,15 @@ class Server:
             return None
         tokens = reservation_tokens([len(p) for p in job.prompts], job.n, job.sampling.max_tokens,
                                     self.budgets.weights)
-        if self.metrics.tenant_label(tenant.name) != tenant.name:  # it would be counted under `other`: untracked
+        if not self.metrics.claim_label(tenant.name):  # it would be counted under `other`: untracked
             self.budgets.refuse_untracked(tenant.name, f"this replica counts at most {self.metrics.max_tenants} "
                                                        "tenants")
         self.metrics.queued.inc()
         try:
             return await self.budgets.acquire(tenant.name, tokens, self.admission.max_wait)
+        except BaseException:
+            self.metrics.release_label(tenant.name)
+            raise
         finally:
             self.metrics.queued.dec()
 
@@ -104,6 +107,8 @@ class Server:
         billed = 0.0
         if usage is not None:
             billed = self.budgets.weights.of(usage.prompt_tokens, usage.cached_tokens or 0, usage.completion_tokens)
+        if not reservation.settled:
+            self.metrics.release_label(reservation.tenant)
         self.budgets.settle(reservation, billed)
 
     def reject(self, endpoint: str, error: ApiError, tenant: Tenant, job: Job | None = None) -> None:

@@ -222,6 +222,26 @@ def test_a_tenant_this_replica_cannot_count_apart_is_refused_never_billed_to_oth
         assert unlisted.status_code == 429 and unlisted.json()["error"]["code"] == "insufficient_quota"
 
 
+def test_new_tenants_admitted_at_once_past_the_bound_are_refused_and_none_is_billed_to_other(tmp_path: Path) -> None:
+    """Six new tenants' first requests at once with room for two labels: each found the last label free when it
+    was admitted and the later ones were recorded under `other`, which no lease lists (`other` spent 64 against an
+    allowance of 20). Now a label is held from admission: two are served, four refused, nothing under `other`."""
+    operator = Ed25519PrivateKey.generate()
+    names = [f"new-{i}" for i in range(6)]
+    with runtime_process(tmp_path / "rt.log", "--budgets", "--final-read-key", public(operator),
+                         "--max-tenants", "2") as (_, url), httpx.Client(base_url=url, timeout=60) as http:
+        assert post_leases(http, operator, {name: {"allowance": 100_000} for name in names},
+                           starter={"allowance": None}).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            answers = list(pool.map(lambda name: call(url, name, {**PROMPT, "max_tokens": 24}), names))
+        codes = sorted(answer.status_code for answer in answers)
+        assert codes == [200, 200, 429, 429, 429, 429], codes
+        assert all(a.json()["error"]["code"] == "insufficient_quota" for a in answers if a.status_code == 429)
+        text = http.get("/metrics").text
+        assert metric_value(text, "tally_tenant_overflow_requests_total") == 0
+        assert metric_value(text, "tally_tenant_requests_total", {"tenant": "other"}) == 0
+
+
 def test_a_responses_request_reserves_its_max_output_tokens_against_the_tenants_budget(tmp_path: Path) -> None:
     """/v1/responses goes through the same budgets as chat: its worst case (input + max_output_tokens) is
     reserved; one that fits what the tenant has left is served and settles to the engine's count, one that
