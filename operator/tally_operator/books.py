@@ -1,5 +1,6 @@
-"""The books: scrape a service's pods, book the round into the ledger persisted in its status, and write that
-status by compare-and-swap on the resourceVersion the pass planned against (bookkeeping.py plans, purely).
+"""I/O: the books: scrape a service's pods, book the round into the ledger persisted in its status and its
+UsageShards, and write them by compare-and-swap on the resourceVersions the pass planned against
+(bookkeeping.py plans, purely).
 
 The pods are scraped after the status they are booked into was read, and a refused write re-reads the object and
 scrapes again: so every sample booked is newer than every reading in the ledger it is booked into, and two passes

@@ -14,7 +14,8 @@ from typing import Any
 
 from tally_operator import constants as c
 from tally_operator.budget import WARN_AT
-from tally_operator.budget_shards import ShardedRound, plan_round, read_shards, write_shard
+from tally_operator.budget_shard_store import read_shards, write_shard
+from tally_operator.budget_shards import ShardedRound, plan_round
 from tally_operator.conditions import Verdict, set_condition
 from tally_operator.context import Context
 from tally_operator.kube import KubeError
@@ -55,7 +56,7 @@ def verdict(reports: Mapping[str, ServiceReport], unreadable: Sequence[str], inv
 async def budget_round(ctx: Context, name: str, platform: Sequence[PlatformBudget]) -> bool:
     """One round; False when the Budget is gone. Transient API errors leave as KubeError (the caller retries).
     The tenants' parts of the status are in the Budget's BudgetShards: read with it, written before it, each
-    only when it changed (budget_shards.py)."""
+    only when it changed (budget_shards.py plans them, budget_shard_store.py reads and writes)."""
     for _ in range(MAX_WRITES):
         obj = await asyncio.to_thread(ctx.kube.get, c.API_VERSION, c.BUDGET_KIND, name, None)
         if obj is None:

@@ -1,22 +1,18 @@
-"""I/O: a platform Budget's BudgetShards read and written (shards.split_slices says what they hold).
+"""PURE: a platform Budget's BudgetShards as data: which listed objects are its own, its status joined with them,
+and one round planned over both (shards.split_slices says what they hold; budget_shard_store.py reads and
+writes them).
 
-Only shards the Budget owns are read (its uid as controller and in the name). Each write replaces one shard
-whole at the resourceVersion it was read at, or creates it, and records the number of the Budget's slices it
-was written under; a 409 means someone wrote in between, and the round reads everything again."""
+Only shards the Budget owns count (its uid as controller and in the name)."""
 
 from __future__ import annotations
 
 import datetime
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tally_operator import constants as c
-from tally_operator.kube import Kube
 from tally_operator.platform import PlatformBudget
-from tally_operator.shard_store import ShardTooLarge
-from tally_operator.shards import MAX_SHARD_BYTES, SHARDS, join_slices, planned_with, split_slices
+from tally_operator.shards import SHARDS, join_slices, planned_with, split_slices
 from tally_operator.slices import ServiceReport, plan_slices, slices_status, state_from_budget_status
 from tally_operator.usage import controller_uid
 
@@ -90,28 +86,3 @@ def plan_round(budget: PlatformBudget, kept: Mapping[str, Any], shards: Mapping[
 
 def _whole(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def read_shards(kube: Kube, uid: str) -> dict[int, BudgetShard]:
-    return owned(kube.list(c.API_VERSION, c.BUDGET_SHARD_KIND, None, f"{c.LABEL_BUDGET_OWNER}={uid}"), uid)
-
-
-def write_shard(kube: Kube, budget: Mapping[str, Any], index: int, slices: Mapping[str, Any], seq: int,
-                resource_version: str | None) -> None:
-    uid = budget["uid"]
-    obj = {"apiVersion": c.API_VERSION, "kind": c.BUDGET_SHARD_KIND,
-           "metadata": {"name": shard_name(uid, index),
-                        "labels": {c.LABEL_BUDGET_OWNER: uid, "app.kubernetes.io/managed-by": "tally"},
-                        "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.BUDGET_KIND,
-                                             "name": budget["name"], "uid": uid, "controller": True,
-                                             "blockOwnerDeletion": True}],
-                        **({"resourceVersion": resource_version} if resource_version else {})},
-           "budget": budget["name"], "shard": index, "seq": seq,
-           "tenantCount": len(slices.get("tenants") or {}), "slices": dict(slices)}
-    size = len(json.dumps(obj, separators=(",", ":")))
-    if size > MAX_SHARD_BYTES:
-        raise ShardTooLarge(f"BudgetShard {obj['metadata']['name']} would be {size} bytes (at most {MAX_SHARD_BYTES})")
-    if resource_version:
-        kube.replace(obj)
-    else:
-        kube.create(obj)

@@ -66,3 +66,33 @@ def test_the_operators_modules_import_each_other_one_way_only() -> None:
     for module in sorted(graph):
         if module not in seen:
             visit(module, [])
+
+
+IO_MODULES = {"kube", "books", "shard_store", "budget_round", "budget_shard_store", "scrape", "collector", "reconcile",
+              "handlers", "children", "scaling", "release", "activation", "asks"}
+
+
+def test_a_module_that_says_it_is_pure_does_no_io() -> None:
+    """The money code reads as rooms: a module whose docstring opens with PURE imports no I/O (the API client,
+    kopf, an event loop, an HTTP client or a module that does I/O), and each of the books' and the budgets'
+    modules says which it is."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[3] / "operator" / "tally_operator"
+    money = {"usage", "shards", "tenant_books", "bookkeeping", "budget", "slices", "platform", "budget_shards",
+             "books", "shard_store", "budget_round", "budget_shard_store"}
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree) or ""
+        if path.stem in money:
+            assert doc.startswith(("PURE:", "I/O:")), f"{path.stem}: say PURE or I/O first"
+        if not doc.startswith("PURE:"):
+            continue
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                inner = name.removeprefix("tally_operator.").removeprefix("tally_operator")
+                assert name.split(".")[0] not in {"kopf", "kubernetes", "httpx", "asyncio"} and \
+                    inner not in IO_MODULES, f"{path.stem} says it is pure and imports {name}"
