@@ -321,12 +321,19 @@ def usage_of(chat_usage: Mapping[str, Any]) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": chat_usage["total_tokens"]}
 
 
+# What a stream's opening events leave out of the request's echo: the closing event (what the SDK's final response
+# is read from) carries it whole. Repeated in all three, 7 MB of tools sent 21 MB back
+BRIEF = {"tools": [], "instructions": None}
+
+
 def response_object(head: ResponseHeader, status: str, output: Sequence[dict[str, Any]],
                     usage: Mapping[str, Any] | None, finish_reason: str | None = None,
-                    error: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The response object: `in_progress` (opening a stream), `completed`, `incomplete` (cut at
-    max_output_tokens) or `failed`."""
+                    error: Mapping[str, Any] | None = None, brief: bool = False) -> dict[str, Any]:
+    """The response object: `in_progress` (opening a stream: `brief`, without the request's tools and
+    instructions), `completed`, `incomplete` (cut at max_output_tokens) or `failed`."""
     echo = head.echo if isinstance(head, ResponsesHeader) else {}
+    if brief:
+        echo = {**echo, **{k: v for k, v in BRIEF.items() if k in echo}}
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
         "id": head.id, "object": "response", "created_at": head.created, "status": status, "model": head.model,

@@ -46,8 +46,9 @@ class ResponsesRenderer:
         self.finish_reason: str | None = None
         self.opened = False
         self.items: list[dict[str, Any]] = []
-        self.emit("response.created", response=response_object(self.head, "in_progress", [], None))
-        self.emit("response.in_progress", response=response_object(self.head, "in_progress", [], None))
+        opening = response_object(self.head, "in_progress", [], None, brief=True)  # the request's tools: once, last
+        self.emit("response.created", response=opening)
+        self.emit("response.in_progress", response=opening)
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.out.append(named_event({"type": kind, "sequence_number": self.sequence, **fields}))

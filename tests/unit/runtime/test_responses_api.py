@@ -151,3 +151,18 @@ def test_chats_sampling_extensions_pass_through_and_are_validated_as_chat_valida
     with pytest.raises(ApiError) as refused:
         to_chat(request(top_k=0))
     assert refused.value.param == "top_k"
+
+
+def test_a_streams_tools_and_instructions_are_sent_once_in_its_closing_event() -> None:
+    """The request's tools were echoed in `response.created`, `response.in_progress` and the closing event: 7 MB of
+    tools sent 21 MB back. The opening events leave them out; the closing one, which the SDK's final response is
+    read from, carries them whole."""
+    tool = {"type": "function", "name": "lookup", "description": "x" * 50_000,
+            "parameters": {"type": "object", "properties": {}}}
+    render = ResponsesRenderer(job(request(tools=[tool], instructions="i" * 20_000)), [])
+    render.add(0, Delta(text="ok", token_ids=(1,), finish_reason=FinishReason.STOP))
+    raw = render.take() + render.finish({"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3})
+    out = events(raw)
+    assert out[0]["response"]["tools"] == [] and out[1]["response"]["instructions"] is None
+    assert out[-1]["response"]["tools"][0]["name"] == "lookup" and len(out[-1]["response"]["instructions"]) == 20_000
+    assert raw.count(b"x" * 50_000) == 1
