@@ -6,6 +6,7 @@ sending are removed, manual edits to them are reverted on the next pass.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,12 @@ def records_pushed(spec: Spec, settings: OperatorSettings) -> bool:
     return bool(spec.records_url) and settings.allow_service_delivery
 
 
+def has_credentials(url: str) -> bool:
+    """Whether a URL carries a user or password (`http://user:secret@proxy:3128`)."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.username is not None or parts.password is not None
+
+
 def runtime_args(spec: Spec, meta: Mapping[str, Any], settings: OperatorSettings | None = None) -> list[str]:
     """`tally-runtime serve` arguments; incremental streaming is the runtime's default and not optional."""
     args = [
@@ -117,7 +124,8 @@ def runtime_args(spec: Spec, meta: Mapping[str, Any], settings: OperatorSettings
         if spec.records_token_secret:
             args += ["--usage-records-token-file", c.DELIVERY_TOKEN_FILE]
         args.append(f"--usage-records-spool-bytes={platform.records_spool_bytes}")  # the volume is sized from it
-        if platform.records_proxy:
+        if platform.records_proxy and not has_credentials(platform.records_proxy):
+            # the platform's proxy, where it names no credentials: a pod's arguments are its team's to read
             args.append(f"--usage-records-proxy={platform.records_proxy}")
     if spec.api_keys_secret:
         args += ["--api-keys-file", c.API_KEYS_FILE]

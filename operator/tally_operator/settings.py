@@ -78,7 +78,7 @@ class OperatorSettings:
     # namespace); a service's own spec.usageRecords.delivery applies instead only where this allows it
     records_url: str = ""
     records_token_file: str = ""
-    allow_service_delivery: bool = True
+    allow_service_delivery: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

@@ -131,7 +131,7 @@ def test_a_delivering_pods_volume_is_sized_from_its_spool_and_the_platform_confi
     raw = {"model": {"name": "m"}, "engine": {"kind": "cpu"},
            "usageRecords": {"delivery": {"url": "https://meter.example/api/v1/events"}}}
     settings = OperatorSettings(records_spool_bytes=64 << 20, records_ca="-----BEGIN CERTIFICATE-----",
-                                records_proxy="http://egress:3128")
+                                records_proxy="http://egress:3128", allow_service_delivery=True)
     pod = desired_deployment(META, parse_spec(raw), settings)["spec"]["template"]["spec"]
     ledger = next(v for v in pod["volumes"] if v["name"] == "ledger")
     args = pod["containers"][0]["args"]
@@ -165,7 +165,16 @@ def test_with_the_platforms_billing_system_the_pods_keep_their_records_for_the_o
     with pytest.raises(SpecError) as refused:
         check_policy(own, platform)
     assert refused.value.reason == "ForbiddenDelivery"
-    allowing = OperatorSettings(records_url="https://meter.example/api/v1/events", allow_service_delivery=True)
+    with pytest.raises(SpecError):  # refused unless the platform opts in: allowServiceDelivery is off by default
+        check_policy(own, OperatorSettings(records_url="https://meter.example/api/v1/events"))
+    allowing = OperatorSettings(records_url="https://meter.example/api/v1/events", allow_service_delivery=True,
+                                records_proxy="http://egress:3128")
     check_policy(own, allowing)
     args = desired_deployment(META, own, allowing)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--usage-records-url" in args and "--usage-records-pull" not in args
+    assert "--usage-records-proxy=http://egress:3128" in args
+    # the platform's proxy credentials never reach a serving namespace (a pod's arguments are its team's to read)
+    secret = OperatorSettings(records_url="https://meter.example/api/v1/events", allow_service_delivery=True,
+                              records_proxy="http://platform:s3cret@egress:3128")
+    args = desired_deployment(META, own, secret)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any("s3cret" in arg for arg in args)

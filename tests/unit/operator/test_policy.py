@@ -234,7 +234,7 @@ def test_record_delivery_reaches_the_pods_with_a_token_from_a_secret_that_opted_
     meta = {"name": "s", "namespace": "n", "uid": "u"}
     spec = parse_spec({"model": {"name": "m"}, "engine": {"kind": "cpu"}, "usageRecords": {"delivery": {
         "url": "https://meter.example/api/v1/events", "tokenSecret": {"name": "tally-usage-delivery-meter"}}}})
-    pod = desired_deployment(meta, spec, OperatorSettings())["spec"]["template"]["spec"]
+    pod = desired_deployment(meta, spec, OperatorSettings(allow_service_delivery=True))["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--usage-records-url") + 1] == "https://meter.example/api/v1/events"
     assert args[args.index("--usage-records-token-file") + 1] == "/etc/tally/delivery/token"
