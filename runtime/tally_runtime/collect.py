@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from tally_runtime.spool import Spool
+from tally_runtime.spool import Line, Spool
 
 MAX_READ_RECORDS = 5000
 MAC_HEX = 32
@@ -74,6 +74,17 @@ class Collection:
         """The records from the last acknowledged position (the same ones until acknowledged), each with whether
         this process wrote it; lines it did not write are left out (counted once, when acknowledged past)."""
         lines, through = self.spool.peek(max(1, min(max_records, MAX_READ_RECORDS)))
+        return self._page(lines, through, self.spool.position(), self.spool.pending)
+
+    async def page(self, max_records: int) -> dict[str, Any]:
+        """`read`, its lines taken from the spool on the event loop (where records are appended) and parsed and
+        checked in a worker thread: 5,000 records held the loop 0.1-0.2 s a call, and four readers looping
+        slowed every request's /health answer from 0.07 s to 1 s."""
+        lines, through = self.spool.peek(max(1, min(max_records, MAX_READ_RECORDS)))
+        return await asyncio.to_thread(self._page, lines, through, self.spool.position(), self.spool.pending)
+
+    def _page(self, lines: list[Line], through: tuple[int, int], start: tuple[int, int],
+              pending: int) -> dict[str, Any]:
         records, refused, unverified = [], 0, 0
         for position, raw in lines:
             body = raw.partition(b" ")[2]
@@ -88,8 +99,8 @@ class Collection:
                 continue
             unverified += not verified
             records.append({"event": event, "verified": verified})
-        return {"from": position_text(self.spool.position()), "through": position_text(through),
-                "records": records, "refused": refused, "unverified": unverified, "pending": self.spool.pending}
+        return {"from": position_text(start), "through": position_text(through),
+                "records": records, "refused": refused, "unverified": unverified, "pending": pending}
 
     def acknowledge(self, through: tuple[int, int]) -> int:
         """The operator forwarded everything before `through`: reclaimed (the lines this process did not write

@@ -323,7 +323,7 @@ def usage_of(chat_usage: Mapping[str, Any]) -> dict[str, Any]:
 
 # What a stream's opening events leave out of the request's echo: the closing event (what the SDK's final response
 # is read from) carries it whole. Repeated in all three, 7 MB of tools sent 21 MB back
-BRIEF = {"tools": [], "instructions": None}
+BRIEF: dict[str, Any] = {"tools": [], "instructions": None}
 
 
 def response_object(head: ResponseHeader, status: str, output: Sequence[dict[str, Any]],

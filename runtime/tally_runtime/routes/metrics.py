@@ -145,7 +145,7 @@ async def records(request: Request) -> Response:
         limit = 1000
     server: Server = request.app.state.server
     return json_response({"podUid": server.metrics.pod_uid, "epoch": server.metrics.totals.epoch,
-                          **collection.read(limit)})
+                          **await collection.page(limit)})
 
 
 @router.post(contract.RECORDS_ACK_PATH)
