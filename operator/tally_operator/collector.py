@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import ssl
 from collections.abc import Mapping
 from typing import Any
@@ -46,23 +47,46 @@ def forwardable(answer: Mapping[str, Any], namespace: str, name: str) -> tuple[l
 
 
 class Forwarder:
-    """The client to the platform's billing system (the operator's settings)."""
+    """The client to the platform's billing system (the operator's settings). Nothing it is configured with can
+    stop the operator: a CA bundle that is not one (it kept the operator from starting, so no service was booked)
+    fails delivery alone, saying why on every round's warning; the token is read again when its file changes (a
+    rotated Secret got 401s until the operator restarted)."""
 
     def __init__(self, settings: OperatorSettings) -> None:
         self.url = settings.records_url
-        token = ""
-        if settings.records_token_file:
-            with open(settings.records_token_file, "rb") as f:
-                token = f.read(4096).decode("utf-8", "replace").strip()
-        self.headers = {"Content-Type": CONTENT_TYPE, **({"Authorization": f"Bearer {token}"} if token else {})}
+        self.token_file = settings.records_token_file
+        self.token_stamp: tuple[int, int] | None = None
+        self.token = ""
+        self.broken = ""  # why nothing can be delivered (the CA bundle is unusable)
         verify: ssl.SSLContext | bool = True
         if settings.records_ca:
-            verify = ssl.create_default_context(cadata=settings.records_ca)
+            try:
+                verify = ssl.create_default_context(cadata=settings.records_ca)
+            except (ssl.SSLError, ValueError) as err:
+                self.broken = f"usageRecords.caBundle is not PEM CA certificates ({err})"
+                log.error("Usage records cannot be delivered: %s", self.broken)
         self.client = httpx.AsyncClient(timeout=30, trust_env=False, verify=verify,
                                         proxy=settings.records_proxy or None)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The request's headers, the token read again whenever its file (a mounted Secret) changed."""
+        if self.token_file:
+            try:
+                stat = os.stat(self.token_file)
+                stamp = (stat.st_mtime_ns, stat.st_ino)
+                if stamp != self.token_stamp:
+                    with open(self.token_file, "rb") as f:
+                        self.token = f.read(4096).decode("utf-8", "replace").strip()
+                    self.token_stamp = stamp
+            except OSError as err:
+                log.warning("The billing system's token file cannot be read (%s): the last one read is used", err)
+        return {"Content-Type": CONTENT_TYPE, **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
+
     async def send(self, events: list[Any]) -> None:
         """Every event to the receiver, in batches; raises unless every batch was taken (2xx)."""
+        if self.broken:
+            raise RuntimeError(self.broken)
         for start in range(0, len(events), BATCH):
             body = json.dumps(events[start:start + BATCH], separators=(",", ":")).encode()
             response = await self.client.post(self.url, content=body, headers=self.headers)

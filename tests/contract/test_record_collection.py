@@ -7,6 +7,7 @@ earlier records are forwarded marked as such. The receiver holds exactly what th
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import httpx
@@ -101,3 +102,23 @@ def test_the_operator_reaches_a_billing_system_behind_a_private_ca_and_through_a
     trusting = Forwarder(OperatorSettings(records_url=url, records_token_file=str(token), records_ca=ca.read_text()))
     asyncio.run(trusting.send([{"id": "t1", "source": SOURCE, "data": {"prompt_tokens": 1, "completion_tokens": 1}}]))
     assert "t1" in receiver.events and "t0" not in receiver.events
+
+
+async def test_a_ca_bundle_that_is_not_pem_fails_delivery_alone_and_a_rotated_token_is_read_again(
+        tmp_path: Path) -> None:
+    """A CA bundle that is not PEM kept the operator from starting (no service booked, its health never
+    answering); now delivery alone fails, saying why. The token was read once: a rotated Secret got 401s until the
+    operator restarted; now it is read again when its file changes."""
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    broken = Forwarder(OperatorSettings(records_url="https://meter.invalid/api/v1/events", records_ca="not a pem",
+                                        records_token_file=str(token)))
+    with pytest.raises(RuntimeError, match="caBundle is not PEM"):
+        await broken.send([{"id": "e1"}])
+    forwarder = Forwarder(OperatorSettings(records_url="https://meter.invalid/api/v1/events",
+                                           records_token_file=str(token)))
+    assert forwarder.headers["Authorization"] == "Bearer first"
+    rotated = tmp_path / "rotated"  # as the kubelet updates a mounted Secret: a new file swapped in
+    rotated.write_text("second\n")
+    os.replace(rotated, token)
+    assert forwarder.headers["Authorization"] == "Bearer second"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,14 @@ KNOWN = {"type", "description", "properties", "items", "additionalProperties", "
          "pattern", "format", "nullable", "anyOf", "oneOf", "x-kubernetes-validations", "x-kubernetes-list-type",
          "x-kubernetes-list-map-keys", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-int-or-string",
          "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "x-kubernetes-map-type"}
+
+
+def test_a_ca_bundle_that_is_not_pem_is_refused_by_the_values_schema() -> None:
+    """A `usageRecords.caBundle` that is not PEM was taken by the chart and kept the operator from starting (no
+    service booked). The values schema refuses it; PEM certificates, and nothing, pass."""
+    pattern = re.compile(json.loads((CHART / "values.schema.json").read_text())["properties"]["usageRecords"][
+        "properties"]["caBundle"]["pattern"])
+    pem = "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIUQ+ab=\n-----END CERTIFICATE-----\n"
+    assert pattern.search("") and pattern.search(pem) and pattern.search(pem + pem)
+    for bad in ("not a pem", "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----", pem + "tail"):
+        assert not pattern.search(bad), bad
