@@ -17,6 +17,8 @@ httptools protocol buffers a whole head (any size, for as long as a client cares
   Every client behind one address (a gateway, a mesh, a NAT) opens its connections at once and authenticates
   within milliseconds; refused at connect, 84 of 100 SDK clients behind one relay got 429s. So an address
   holds no more than its bound of unauthenticated connections that keep anyone else out, as before;
+- a full port makes room for a newcomer by closing the connection idle the longest (a second at least: kept
+  alive with nothing under way), so idle connections from a few addresses cannot keep the probes out;
 - every refusal is the OpenAI error envelope (`{"error": {"message", "type", "param", "code"}}`) with
   `Retry-After` where trying again may help, so an SDK knows what it got;
 - once the server drains, every response closes its connection and idle keep-alive connections are
@@ -42,6 +44,7 @@ log = logging.getLogger("tally_runtime.http")
 
 # The scope key under which the app finds its connection's hook: called once a request on it authenticated
 AUTHENTICATED = "tally.authenticated"
+IDLE_EVICT_SECONDS = 1.0  # a connection idle this long gives its place to a newcomer on a full port
 
 
 class HeadTooLarge(Exception):
@@ -82,9 +85,13 @@ class Connections:
         on_port = self.open.setdefault(port, set())
         if len(on_port) >= self.caps.get(port, self.default_cap):
             oldest = next(iter(self.on_probation.get(port, {})), None)
-            if oldest is None:
+            if oldest is not None:
+                oldest.evict()  # on probation, not authenticated yet: it makes room (and is released now)
+            elif (idlest := self._idlest(on_port)) is not None:
+                idlest.evict(idle=True)  # kept alive with nothing to do: closed, as a keep-alive timeout would
+                self._refused("idle")
+            else:
                 return self._refused("port")
-            oldest.evict()  # on probation, not authenticated yet: it makes room (and is released now)
         bounded = self.bounds_client(port)
         past = bounded and self.unauthenticated[client] >= self.unauthenticated_per_client
         if past and not self.probation:
@@ -134,6 +141,17 @@ class Connections:
         else:
             del self.unauthenticated[client]
 
+    @staticmethod
+    def _idlest(on_port: set[Any]) -> Any:
+        """The connection on the port idle the longest (no request, nothing of one received), if any has been for
+        `IDLE_EVICT_SECONDS`: a full port makes room for a newcomer by closing it. Idle keep-alive connections
+        from a few addresses filled a metrics port (the kubelet's probes and the operator's scrape got 503)."""
+        now = asyncio.get_running_loop().time()
+        idle = [(p.idle_since(), id(p), p) for p in on_port]
+        since, _, protocol = min(((t, i, p) for t, i, p in idle if t is not None), default=(None, 0, None),
+                                 key=lambda item: (item[0], item[1]))
+        return protocol if since is not None and now - since >= IDLE_EVICT_SECONDS else None
+
     def off_probation(self, protocol: Any, port: int) -> None:
         self.on_probation.get(port, {}).pop(protocol, None)
 
@@ -182,6 +200,7 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
             self._counted = False
             self._unauthenticated = False
             self._probation: asyncio.TimerHandle | None = None
+            self._idle_at = self.loop.time()
             if connections is not None:
                 why = connections.admit(self, self._port, self._client)
                 if why and why != "probation":
@@ -215,16 +234,33 @@ def bounded_protocol(max_head_bytes: int, head_seconds: float, body_seconds: flo
             connections._refused("client")
             self._refuse_connection("client")
 
-        def evict(self) -> None:
-            """On probation and the port full: closed at once, released now (the newcomer takes its place)."""
+        def evict(self, idle: bool = False) -> None:
+            """The port is full: closed at once and released now (the newcomer takes its place). On probation, it
+            is told why (429); `idle`, a kept-alive connection with nothing under way, it is just closed."""
             if connections is None or not self._counted:
                 return
             self._counted = False
             connections.release(self, self._port, self._client, self._unauthenticated)
             self._unauthenticated = False
+            if idle:
+                self._refused = True
+                self.transport.close()
+                return
             connections._refused("client")
             if not self._refused:
                 self._refuse_connection("client")
+
+        def idle_since(self) -> float | None:
+            """When the connection last had anything to do, or None while it does (a request under way or
+            arriving)."""
+            if self._refused or self._head_bytes or (self.cycle is not None and not self.cycle.response_complete):
+                return None
+            return self._idle_at
+
+        def on_response_complete(self) -> None:
+            self._idle_at = self.loop.time()
+            self._head_bytes = 0  # nothing of a next request yet
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -322,6 +322,19 @@ def test_one_address_holds_at_most_its_share_of_connections(tmp_path: Path) -> N
             sock.close()
 
 
+def test_idle_connections_from_one_address_cannot_keep_the_probes_out(tmp_path: Path) -> None:
+    """16 idle connections from one address (its metrics port's places) made /health and /held answer 503 for 50 s
+    and more: a probe or the operator's long-poll now takes the place of a connection idle for a second."""
+    with activator(tmp_path, free_port()) as (_, metrics):
+        idle = [_raw(metrics) for _ in range(16)]
+        try:
+            assert until(lambda: httpx.get(f"{metrics}/health", timeout=5).status_code == 200, 5)
+            assert httpx.get(f"{metrics}/held", timeout=5).status_code == 200
+        finally:
+            for sock in idle:
+                sock.close()
+
+
 def test_forwarded_responses_close_their_connection_so_pooled_clients_leave(tmp_path: Path) -> None:
     """Pooled clients stayed on the activator after the pod was up (a keep-alive connection, never closed): every
     response it forwards now says `Connection: close`, so the next request opens a new connection through the

@@ -314,6 +314,23 @@ def test_idle_connections_from_a_few_addresses_cannot_starve_the_metrics_port(ke
             assert metric_value(page.text, "tally_connections_refused_total", {"why": "client"}) >= 12
 
 
+def test_a_full_port_makes_room_for_a_newcomer_by_closing_its_longest_idle_connection(keyed: tuple[str, str]) -> None:
+    """Eight addresses with eight idle connections each filled the metrics port's 64 places: /health and the
+    operator's scrape got 503 for 40 s and more. A connection idle for a second now gives its place to a newcomer
+    (closed, as a keep-alive timeout closes it); what is under way is never closed."""
+    _, metrics = keyed
+    sources = [f"127.0.3.{a}" for a in range(1, 9) for _ in range(8)]
+    with tricklers(metrics, sources, b"") as idle:
+        assert len(idle) == 64
+        with sourced("127.0.0.9") as kubelet:  # answered once they have been idle for the bound (1 s)
+            assert until(lambda: kubelet.get(f"{metrics}/health").status_code == 200, 5)  # the head timeout: 10
+            page = kubelet.get(f"{metrics}/metrics")
+            assert page.status_code == 200
+            assert metric_value(page.text, "tally_connections_refused_total", {"why": "idle"}) >= 1
+        closed = answered(idle, 1, seconds=2)
+        assert closed and all(read_all(sock, 2) == b"" for sock in closed)  # closed without a word
+
+
 def test_one_tenant_holds_at_most_its_share_of_the_api_connections(tmp_path: Path) -> None:
     """One key could hold all 4,096 API connections (120 s each, kept alive): a tenant's share is bounded once
     it authenticates; its next connection is refused (429, closed, recorded as its) and other tenants are served."""
