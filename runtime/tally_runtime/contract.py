@@ -44,7 +44,7 @@ BUDGET_WANTED = f"{PREFIX}_budget_wanted_tokens"  # gauge{tenant}: refused for w
 BUDGET_REACH = f"{PREFIX}_budget_allowance_tokens"  # gauge{tenant}: the counter value the pod may still reach
 BUDGET_SEQUENCE = f"{PREFIX}_budget_lease_sequence"  # gauge: the number of the lease message applied
 BUDGET_REFUSALS = f"{PREFIX}_budget_refusals"  # counter{tenant,code}: 429s, insufficient_quota or rate_limit_exceeded
-CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port (its cap) or client (before auth)
+CONNECTIONS_REFUSED = f"{PREFIX}_connections_refused"  # counter{why}: port, client (before auth), tenant, idle
 # The final-read handshake: the operator posts back the final counters it booked (epoch, requests of every
 # outcome, prompt, completion and cached tokens); only that ends a drained runtime's wait
 FINAL_READ_PATH = "/internal/final-read"

@@ -66,9 +66,9 @@ class Metrics:
         self.engine_healthy = Gauge(contract.ENGINE_HEALTHY, "1 when the engine can generate", registry=r)
         self.records_lost = Counter(contract.RECORDS_LOST, "Usage records a sink could not write whole", ["sink"],
                                     registry=r)
-        self.connections_refused = Counter(contract.CONNECTIONS_REFUSED, "Connections refused on arrival: over their "
-                                           "port's cap, or their client's before it authenticated", ["why"],
-                                           registry=r)
+        self.connections_refused = Counter(contract.CONNECTIONS_REFUSED, "Connections refused or closed: port (over "
+                                           "its cap), client (over its address's before it authenticated), tenant, "
+                                           "idle (closed to make room on a full port)", ["why"], registry=r)
         self.records_queued = Gauge(contract.RECORDS_QUEUED, "Usage records spooled and not yet delivered to "
                                     "--usage-records-url", registry=r)
         self.records_oldest = Gauge(contract.RECORDS_OLDEST, "Age of the oldest usage record not yet delivered "
