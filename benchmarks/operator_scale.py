@@ -180,7 +180,16 @@ def tenant_metrics(pod: int, tenants: list[str], requests: dict[str, int] | None
     return head + "\n".join(lines) + "\n"
 
 
-def books_round(pods: int, tenants: int) -> dict[str, Any]:
+def tenant_names(tenants: int, kind: str) -> list[str]:
+    """`ascii`: tenant-00042; `cjk`: 128 characters, the most a runtime gives a name, 122 of them CJK (3 bytes
+    each as stored, 6 escaped)."""
+    if kind == "ascii":
+        return [f"tenant-{i:05d}" for i in range(tenants)]
+    letters = "漢字仮名交じり文勘定台帳"
+    return [f"{i:05d}-" + "".join(letters[(i * 7 + j) % len(letters)] for j in range(122)) for i in range(tenants)]
+
+
+def books_round(pods: int, tenants: int, names_kind: str = "ascii") -> dict[str, Any]:
     """One service's books with `tenants` in all over `pods` pods (each serves up to the per-pod bound), a
     default budget covering every tenant: the operator's own `plan` over its UsageShards (held as the API server
     would, as JSON), three rounds: the first (every shard created), one in which every tenant was served again
@@ -196,7 +205,7 @@ def books_round(pods: int, tenants: int) -> dict[str, Any]:
     from tally_operator.shards import Shard
     from tally_operator.usage import Round, book, ledger_from_status, ledger_status
 
-    names = [f"tenant-{i:05d}" for i in range(tenants)]
+    names = tenant_names(tenants, names_kind)
     per_pod = min(MAX_TENANTS_PER_POD, tenants)
     served = {f"pod-{p}": [names[(p * per_pod + i) % tenants] for i in range(per_pod)] for p in range(pods)}
     texts = {uid: tenant_metrics(int(uid[4:]), served[uid]) for uid in served}
@@ -228,8 +237,8 @@ def books_round(pods: int, tenants: int) -> dict[str, Any]:
         planned = plan(json.loads(json.dumps(status)), Observations(), observed, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
         sizes = []
         for index, shard_body in planned.shards.items():
-            text = json.dumps(shard_body, separators=(",", ":"))
-            sizes.append(len(text))
+            text = json.dumps(shard_body, separators=(",", ":"), ensure_ascii=False)
+            sizes.append(len(text.encode()))  # as the API server stores it (UTF-8)
             stored[index] = (text, stored.get(index, ("", 0))[1] + 1)
         status = json.loads(json.dumps(planned.status))
         seconds = time.perf_counter() - begin
@@ -245,11 +254,13 @@ def books_round(pods: int, tenants: int) -> dict[str, Any]:
         **dict.fromkeys(served["pod-0"], 2), first: 3}), "pod-0")}  # one tenant served once more: one shard
     rounds.append(one_round(once_more))
     tenants_booked = sum(len(json.loads(body)["usage"].get("tenants") or {}) for body, _ in stored.values())
-    return {"pods": pods, "tenants": tenants, "tenants_per_pod": per_pod,
+    folded = int(status.get("usage", {}).get("tenantsFolded", 0))
+    return {"pods": pods, "tenants": tenants, "names": names_kind, "tenants_folded": folded,
+            "tenants_per_pod": per_pod,
             "metrics_bytes_per_pod": len(next(iter(texts.values()))), "parse_seconds_all_pods": parse_seconds,
             "tenants_booked": tenants_booked, "shards": len(stored),
-            "largest_shard_bytes": max(len(body) for body, _ in stored.values()),
-            "all_shards_bytes": sum(len(body) for body, _ in stored.values()),
+            "largest_shard_bytes": max(len(body.encode()) for body, _ in stored.values()),
+            "all_shards_bytes": sum(len(body.encode()) for body, _ in stored.values()),
             "rounds": rounds,
             "baseline_one_ledger": {"seconds": single_seconds, "status_bytes": single_bytes,
                                     "ledger_tenants": len(single.ledger.tenants)},
@@ -263,11 +274,13 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=500)
     parser.add_argument("--tenants", type=int, default=0,
                         help="also measure one service's books with this many tenants")
+    parser.add_argument("--names", choices=["ascii", "cjk"], default="ascii",
+                        help="the tenants' names: tenant-00042, or 128 characters mostly CJK")
     parser.add_argument("--json")
     args = parser.parse_args()
     report: dict[str, Any] = {"scrape_round": scrape_round(args.pods)}
     if args.tenants:
-        report["books"] = books_round(min(args.pods, 50), args.tenants)
+        report["books"] = books_round(min(args.pods, 50), args.tenants, args.names)
     if args.services:
         env = cluster_env()
         kubectl = Kubectl(env)

@@ -33,6 +33,7 @@ from tally_operator.shards import (
     has_room,
     join_budgets,
     merged,
+    named,
     shard_bytes,
     shard_of,
     split_budgets,
@@ -151,25 +152,26 @@ class Books:
     shard_writes: dict[int, dict[str, Any]]
     budgets: Planned | None
     left_out: dict[str, str]  # pod uid -> why its round waits for a later one
+    shard_ledgers: dict[int, Ledger]  # each shard's ledger after the round
 
 
 def plan_books(previous: Mapping[str, Any], observed: Observed, now: str) -> Books:
-    """The round booked, bounded in bytes: a shard full past `SHARD_ROOM_BYTES` takes no new tenant, and a pod
-    whose round would make a shard larger than `MAX_SHARD_BYTES` (or touches one whose name is taken) is left
-    out of this round (counted as not read: its next reading books it), so no bound ever stops a pass before
-    its status lands."""
+    """The round booked, bounded in bytes: a shard past `SHARD_ROOM_BYTES` takes no more new tenants than fit
+    under it (the rest go to `other`, and it takes none from then on), and a pod whose round would make a shard
+    larger than `MAX_SHARD_BYTES` (or touches one whose name is taken) is left out of this round (counted as not
+    read: its next reading books it), so no bound ever stops a pass before its status lands."""
     assert observed.round is not None
-    closed = frozenset(i for i, shard in observed.shards.items()
-                       if shard.size >= SHARD_ROOM_BYTES or shard.ledger.closed)
+    limits = {i: named(shard.ledger) for i, shard in observed.shards.items()
+              if shard.size >= SHARD_ROOM_BYTES or shard.ledger.closed}
     left_out: dict[str, str] = {}
     carry = False
     while True:
         round_ = without(observed.round, left_out)
-        books = book_round(previous, observed, round_, now, closed, left_out, carry)
+        books = book_round(previous, observed, round_, now, limits, left_out, carry)
         sizes = {i: shard_bytes(body) + SHARD_META_BYTES for i, body in books.shard_writes.items()}
-        grown = frozenset(i for i, size in sizes.items() if size > SHARD_ROOM_BYTES and i not in closed)
-        if grown:  # it took new tenants past the bound: they go to `other` instead
-            closed |= grown
+        fewer = fewer_names(observed.shards, books.shard_ledgers, sizes, limits)
+        if fewer:  # it took new tenants past the bound: as many as fit stay, the rest go to `other`
+            limits.update(fewer)
             continue
         over = {i for i, size in sizes.items() if size > MAX_SHARD_BYTES} | (set(sizes) & observed.blocked)
         touching = pods_in(over, round_, observed, previous)
@@ -185,22 +187,44 @@ def plan_books(previous: Mapping[str, Any], observed: Observed, now: str) -> Boo
             left_out[uid] = f"its round would make UsageShard {index} too large, or that shard's name is taken"
 
 
-def book_round(previous: Mapping[str, Any], observed: Observed, round_: Round, now: str, closed: frozenset[int],
+def fewer_names(read: Mapping[int, Shard], booked: Mapping[int, Ledger], sizes: Mapping[int, int],
+                limits: Mapping[int, int]) -> dict[int, int]:
+    """The named tenants each shard that grew past `SHARD_ROOM_BYTES` with new names may keep: as many of its new
+    names as fit in what was left under the bound, by the bytes each took this round (at least one fewer than
+    it took, so the plan converges)."""
+    out: dict[int, int] = {}
+    for index, size in sizes.items():
+        ledger = booked.get(index)
+        if size <= SHARD_ROOM_BYTES or ledger is None:
+            continue
+        shard = read.get(index)
+        before = named(shard.ledger) if shard is not None else 0
+        after = named(ledger)
+        if after <= before:
+            continue  # no new name to leave out: only the hard bound is left (pods wait)
+        base = shard.size if shard is not None else SHARD_META_BYTES
+        fit = before + (after - before) * max(0, SHARD_ROOM_BYTES - base) // max(1, size - base)
+        out[index] = max(before, min(fit, after - 1, limits.get(index, after)))
+    return out
+
+
+def book_round(previous: Mapping[str, Any], observed: Observed, round_: Round, now: str, limits: Mapping[int, int],
                left_out: Mapping[str, str], carry: bool = False) -> Books:
-    """`carry`: the budgets as persisted, unchanged (no lease moves) even where they apply."""
+    """`limits`: the named tenants a shard may hold after the round (full in bytes); `carry`: the budgets as
+    persisted, unchanged (no lease moves) even where they apply."""
+    closed = frozenset(limits)
     usage = previous.get("usage") or {}
     ledger = ledger_from_status(usage)
     key, sharded = shard_key(usage, observed), "shardKey" in usage
-    if sharded:  # the tenants are in the shards (one full in bytes is closed for good)
-        shards = {index: replace(shard.ledger, closed=shard.ledger.closed or index in closed)
-                  for index, shard in observed.shards.items()}
+    if sharded:  # the tenants are in the shards
+        shards = {index: shard.ledger for index, shard in observed.shards.items()}
     else:  # the status still holds them (the layout before shards): they move, every shard written whole
         # (one an interrupted move wrote under another key too, empty: the status is what holds the books)
         shards = {**dict.fromkeys(observed.shards, Ledger()), **split_ledger(ledger, key)}
     totals = totals_ledger(ledger)  # what the health window follows (its sequence and the pods' epochs)
     untenanted = frozenset() if sharded else \
         frozenset(uid for uid, r in ledger.readings.items() if r.tenants is None)
-    booked, shard_bookings = book_sharded(totals, shards, round_, key, untenanted, closed)
+    booked, shard_bookings = book_sharded(totals, shards, round_, key, untenanted, limits)
     after_shards = {i: b.ledger for i, b in shard_bookings.items()}
     booking = replace(booked, ledger=merged(booked.ledger, after_shards),
                       tenant_increase={t: c for b in shard_bookings.values() for t, c in b.tenant_increase.items()},
@@ -230,7 +254,7 @@ def book_round(previous: Mapping[str, Any], observed: Observed, round_: Round, n
         # shards without them would erase every tenant's month
         budget_parts = {i: dict(shard.budgets) for i, shard in observed.shards.items() if shard.budgets}
     shard_writes = changed_shards(observed.shards, after_shards, budget_parts, rewrite=not sharded)
-    return Books(round_, booking, totals, fields, shard_writes, budgets, dict(left_out))
+    return Books(round_, booking, totals, fields, shard_writes, budgets, dict(left_out), after_shards)
 
 
 def shard_key(usage: Mapping[str, Any], observed: Observed) -> str:

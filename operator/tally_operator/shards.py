@@ -36,8 +36,9 @@ SHARDS = 64
 MAX_SHARD_TENANTS = 320  # per shard: 64 x 320 = 20,480, so 10,000 tenants fit however the hash falls (p < 1e-9)
 # Bounds in bytes as the API server stores a shard (its JSON in UTF-8: shard_bytes). A shard this large takes no new
 # tenant (a new name goes to `other`, and is refused under a budget): 10,000 tenants of 128 CJK characters over
-# 50 pods fill about half of it, since each name is written once per ledger (usage.ledger_status)
-SHARD_ROOM_BYTES = 256 << 10
+# 50 pods of 1,000 with a default budget fill 428 KB of it, since each name is written once per ledger
+# (usage.ledger_status) and once per budgets part (compact_leases)
+SHARD_ROOM_BYTES = 512 << 10
 # No shard is ever written larger: what would make it so (a pod's round) is left for a later round instead
 # (bookkeeping.plan). etcd refuses about 1.5 MiB; the request the client sends escapes non-ASCII, up to 3x
 MAX_SHARD_BYTES = 768 << 10
@@ -220,12 +221,43 @@ BUDGET_MAPS = ("tenants", "periodStart", "lost")  # status.budgets' maps by tena
 
 def split_budgets(raw: Mapping[str, Any], key: str) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """`status.budgets` as budget.budgets_status writes it -> what the status keeps (the period, the count, each
-    lease's pod, epoch and number) and each shard's part (its tenants' months and per pod their allowances)."""
-    return split_by_tenant(raw, BUDGET_MAPS, "leases", key)
+    lease's pod, epoch and number) and each shard's part (its tenants' months and per pod their allowances, each
+    tenant's name written once: `leaseNames`, as the readings' `names`)."""
+    kept, parts = split_by_tenant(raw, BUDGET_MAPS, "leases", key)
+    return kept, {index: compact_leases(part) for index, part in parts.items()}
 
 
 def join_budgets(kept: Mapping[str, Any], parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    return join_by_tenant(kept, parts, BUDGET_MAPS, "leases")
+    return join_by_tenant(kept, [expanded_leases(part) for part in parts], BUDGET_MAPS, "leases")
+
+
+def compact_leases(part: Mapping[str, Any]) -> dict[str, Any]:
+    """A shard's budgets part with its pods' allowances as [name's index, allowance] rows (a name repeated per pod,
+    128 characters of CJK over 50 pods, had made a shard's budgets alone larger than its bound)."""
+    leases = part.get("leases")
+    if not isinstance(leases, Mapping) or not leases:
+        return dict(part)
+    names = sorted({tenant for tenants in leases.values() for tenant in tenants})
+    index = {name: i for i, name in enumerate(names)}
+    return {**part, "leaseNames": names,
+            "leases": {uid: [[index[t], v] for t, v in sorted(tenants.items())] for uid, tenants in leases.items()}}
+
+
+def expanded_leases(part: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The inverse of `compact_leases` (a part written before it, with a map per pod, passes as it is). Input:
+    what is malformed is left out."""
+    leases, names = part.get("leases"), part.get("leaseNames")
+    if not isinstance(leases, Mapping) or not isinstance(names, list):
+        return part
+    out: dict[str, Any] = {}
+    for uid, rows in leases.items():
+        if isinstance(rows, Mapping):
+            out[uid] = rows
+            continue
+        out[uid] = {names[row[0]]: row[1] for row in (rows if isinstance(rows, list) else [])
+                    if isinstance(row, list) and len(row) == 2 and isinstance(row[0], int)
+                    and not isinstance(row[0], bool) and 0 <= row[0] < len(names) and isinstance(names[row[0]], str)}
+    return {**{k: v for k, v in part.items() if k != "leaseNames"}, "leases": out}
 
 
 SLICE_MAPS = ("tenants", "retired")  # a Budget's status maps by tenant, kept in its BudgetShards

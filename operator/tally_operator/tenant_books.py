@@ -11,19 +11,21 @@ from dataclasses import replace
 from typing import Any
 
 from tally_operator.samples import Counters
-from tally_operator.shards import MAX_SHARD_TENANTS, Shard, named, shard_of, shard_rounds, totals_round
+from tally_operator.shards import MAX_SHARD_TENANTS, Shard, shard_of, shard_rounds, totals_round
 from tally_operator.usage import Booking, Ledger, Reading, Round, book, shard_status
 from tally_runtime.contract import OTHER_TENANT
 
 
 def book_sharded(totals: Ledger, shards: Mapping[int, Ledger], round_: Round, key: str,
-                 untenanted: frozenset[str] = frozenset(), closed: frozenset[int] = frozenset()
+                 untenanted: frozenset[str] = frozenset(), limits: Mapping[int, int] | None = None
                  ) -> tuple[Booking, dict[int, Booking]]:
     """The round booked into the status's totals and into every shard, with one decision per pod: a pod whose
     counters went down anywhere books nothing anywhere (shards.py). A pod the totals take as a baseline (an
     upgrade from a status without readings) is one in every shard; `untenanted`: pods whose reading kept no
     tenants (older still): a baseline in the shards, and what their totals rose by is booked to `other`, as
-    before the shards. `closed`: shards full in bytes (shards.SHARD_ROOM_BYTES): they take no new tenant."""
+    before the shards. `limits`: the named tenants a shard full in bytes (shards.SHARD_ROOM_BYTES) may hold after
+    the round; such a shard takes no new tenant from then on (`Ledger.closed`)."""
+    limits = limits or {}
     totals, caught = caught_up(totals, shards, round_)
     # A shard lets a gone pod's reading go only once the totals hold it as gone (caught up, in a status that landed)
     present = round_.present if round_.present is not None else frozenset(round_.samples) | round_.failed
@@ -33,7 +35,8 @@ def book_sharded(totals: Ledger, shards: Mapping[int, Ledger], round_: Round, ke
     down: frozenset[str] = frozenset()
     while True:
         booked = book(totals, totals_round(round_), down=down, tombstones=True)
-        bookings = {index: book(shards.get(index, Ledger()), part, capacity(shards.get(index), index in closed),
+        bookings = {index: book(shards.get(index, Ledger()), part, min(MAX_SHARD_TENANTS, limits.get(index,
+                                                                                                 MAX_SHARD_TENANTS)),
                                 down, baseline)
                     for index, part in rounds.items()}
         seen = frozenset(booked.regressed).union(*(b.regressed for b in bookings.values()))
@@ -51,7 +54,7 @@ def book_sharded(totals: Ledger, shards: Mapping[int, Ledger], round_: Round, ke
     booked = replace(booked, increase=booked.increase.plus(caught))
     # A shard's sequence and lost pods are the status's to count: a shard changes only with its tenants' books
     return booked, {index: replace(b, ledger=replace(b.ledger, sequence=0, unaccounted=0, complete=True,
-                                                     closed=b.ledger.closed or index in closed))
+                                                     closed=b.ledger.closed or index in limits))
                     for index, b in bookings.items()}
 
 
@@ -97,13 +100,6 @@ def caught_up(totals: Ledger, shards: Mapping[int, Ledger], round_: Round) -> tu
         return totals, added
     return replace(totals, readings=readings, totals=totals.totals.plus(added),
                    unaccounted=totals.unaccounted + lost), added
-
-
-def capacity(ledger: Ledger | None, closed: bool) -> int:
-    """The named tenants a shard may keep after this round: no new one once it is full in bytes."""
-    if not closed:
-        return MAX_SHARD_TENANTS
-    return min(named(ledger), MAX_SHARD_TENANTS) if ledger is not None else 0
 
 
 def with_other(booking: Booking, rest: Counters) -> Booking:

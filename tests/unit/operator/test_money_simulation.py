@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+from typing import Any
 
 import pytest
 from memory_api import MemoryApi
@@ -216,3 +217,51 @@ def test_json_of_a_round_trip() -> None:
         api.replace({**made, "metadata": {**made["metadata"], "resourceVersion": "0"}})
     assert refused.value.status == 409
     assert json.loads(api.objects[("X", "n", "a")])["n"] == 1
+
+
+def test_under_a_default_budget_long_names_are_kept_and_a_full_shard_keeps_what_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a default budget each pod's allowances repeated every name once per pod: 10,000 tenants of 128 CJK
+    characters over 50 pods made every shard pass its bound on the first round, and a shard past it took no new
+    name at all (all 50,000 folded). Names are written once per shard now (the allowances too), and a shard that
+    grows past its bound keeps as many of its new names as fit."""
+    from tenant_pods import Pod
+
+    from tally_operator.bookkeeping import Observed, plan
+    from tally_operator.budget import BudgetConfig, TenantBudget
+    from tally_operator.observations import Observations
+    from tally_operator.shards import Shard, shard_bytes
+    from tally_operator.usage import Round, ledger_from_status
+
+    rng = random.Random(8)
+    names = hostile_names(rng, 3000)
+    pods = [Pod(f"pod-{p}") for p in range(20)]
+    for p, pod in enumerate(pods):
+        for name in names[p * 150 % 3000:p * 150 % 3000 + 300]:
+            pod.serve(name, 7, 3)
+    config = BudgetConfig("total", TenantBudget(monthly_tokens=10**6))
+
+    def first_round() -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        samples = {pod.uid: pod.sample() for pod in pods}
+        planned = plan({}, Observations(), Observed(1, [], {}, Round(samples, present=frozenset(samples)),
+                                                    budgets=config, serving=frozenset(samples), shard_key="k" * 32),
+                       "2026-12-06T12:00:00Z")
+        return planned.status, {i: json.loads(json.dumps(body)) for i, body in planned.shards.items()}
+
+    status, shards = first_round()
+    assert status["usage"]["tenantsFolded"] == 0 and status["usage"]["tenantCount"] == 3000
+    assert max(shard_bytes(body) for body in shards.values()) < 512 << 10
+    assert all("leaseNames" in body["budgets"] for body in shards.values() if body.get("budgets", {}).get("leases"))
+    read = {i: Shard(ledger_from_status(body["usage"]), "1", body.get("budgets") or {}) for i, body in shards.items()}
+    from tally_operator.shards import join_budgets
+    joined = join_budgets(status["budgets"], [shard.budgets for shard in read.values()])
+    assert sum(len(lease["tenants"]) for lease in joined["leases"]) == sum(
+        len(body["budgets"]["leases"][uid]) for body in shards.values() for uid in body["budgets"].get("leases", {}))
+
+    monkeypatch.setattr("tally_operator.bookkeeping.SHARD_ROOM_BYTES", 24 << 10)  # a bound most shards pass
+    status, shards = first_round()
+    kept = [len([t for t in body["usage"]["tenants"] if t != "other"]) for body in shards.values()]
+    # most shards keep some of their new names (before, a shard past the bound kept none); one whose pods' readings
+    # alone fill it keeps none (the readings keep every name a pod reports)
+    assert status["usage"]["tenantsFolded"] > 0 and sum(k > 0 for k in kept) > len(kept) // 2, kept
+    assert all(body["usage"].get("closed") for body in shards.values() if "other" in body["usage"]["tenants"])
