@@ -9,13 +9,18 @@ replace_status); objects go in and out through JSON, as they do over the wire.""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tally_operator.kube import KubeError
 
 ETCD_LIMIT = 1_572_864  # etcd's default --max-request-bytes (1.5 MiB)
+CRDS = Path(__file__).resolve().parents[2] / "crds"
 INT64 = 2**63 - 1
 
 Obj = dict[str, Any]
@@ -111,6 +116,10 @@ class MemoryApi:
 
     def _store(self, key: tuple[str, str, str], obj: Obj) -> None:
         check_integers(obj)
+        schema = schemas().get(key[0])
+        if schema is not None:  # what the CRD does not declare is dropped, as the API server prunes it
+            obj = {**obj, **{k: pruned(v, schema["properties"][k]) for k, v in obj.items()
+                             if k in schema.get("properties", {}) and k != "metadata"}}
         self.version += 1
         stored = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.version)}}
         raw = json.dumps(stored, ensure_ascii=False, separators=(",", ":"))
@@ -134,3 +143,28 @@ def check_integers(value: object) -> None:
             check_integers(item)
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64:
         raise KubeError(422, f"{value} does not fit an int64")
+
+
+@functools.cache
+def schemas() -> dict[str, dict[str, Any]]:
+    """Each of the project's CRDs' structural schema, by kind (its served version's openAPIV3Schema)."""
+    out = {}
+    for path in CRDS.glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        out[crd["spec"]["names"]["kind"]] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return out
+
+
+def pruned(value: Any, schema: dict[str, Any]) -> Any:
+    """`value` as the API server keeps it under a structural schema: fields it does not declare are dropped (unless
+    the schema preserves unknown fields); the `gone` of a status reading the CRD lacked was lost this way."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        if "properties" in schema:
+            return {k: pruned(v, schema["properties"][k]) for k, v in value.items() if k in schema["properties"]}
+        extra = schema.get("additionalProperties")
+        return {k: pruned(v, extra) for k, v in value.items()} if isinstance(extra, dict) else value
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [pruned(v, schema["items"]) for v in value]
+    return value

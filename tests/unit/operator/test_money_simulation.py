@@ -65,6 +65,8 @@ async def schedule(seed: int, steps: int = 40) -> World:
     for _ in range(2):  # with the faults off, booking goes on at once
         assert await world.run_pass(), "a pass with no faults did not land"
     world.check(True)
+    totals, _ = world.books()  # and a pod that went has left the status (its reading as persisted, CRD-pruned)
+    assert set(totals.readings) <= set(world.pods), sorted(set(totals.readings) - set(world.pods))
     return world
 
 
