@@ -47,6 +47,7 @@ class Context:
     # Wake-ups between the daemons of this process: a Budget whose services ask for more, a service whose slices
     # changed. Keyed by (kind, name) for a Budget, (namespace, name) for a service.
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    budget_generations: dict[str, int] = field(default_factory=dict)  # a Budget's spec as its round last saw it
 
     def wakeup(self, key: tuple[str, str]) -> asyncio.Event:
         """The event a daemon waits on (made on first use; cleared by the one that waits)."""
@@ -54,6 +55,13 @@ class Context:
 
     def wake(self, key: tuple[str, str]) -> None:
         self.wakeup(key).set()
+
+    def budget_edited(self, name: str, generation: object) -> None:
+        """A Budget was seen at `generation`: its round runs at once when the spec changed (a raise reaches
+        the services in about a second, not at the round's next turn); a status write changes no generation."""
+        if isinstance(generation, int) and self.budget_generations.get(name) != generation:
+            self.budget_generations[name] = generation
+            self.wake(("Budget", name))
 
 @dataclass
 class ServiceMemory:

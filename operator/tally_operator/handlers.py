@@ -115,9 +115,13 @@ async def activation(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
 
 
 @kopf.index(c.GROUP, c.VERSION, c.BUDGET_PLURAL)
-def budget_index(body: kopf.Body, name: str, **_: Any) -> dict[str, dict[str, Any]]:
+def budget_index(body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
     """The cluster's Budgets as the API server last told (kopf starts no handler before this is filled): every
-    pass reads which one covers its service from here, not from the API server."""
+    pass reads which one covers its service from here, not from the API server. An edited spec wakes the
+    Budget's round."""
+    context: Context | None = memo.get("context")
+    if context is not None:
+        context.budget_edited(name, body.meta.get("generation"))
     return {name: {"metadata": dict(body.meta), "spec": dict(body.spec), "status": dict(body.get("status") or {})}}
 
 

@@ -11,71 +11,51 @@ most 1.1 x requests, and the Budget's books and each service's ledger equal to w
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import secrets
-import threading
+import time
 from typing import Any
 
-import openai
 import pytest
-from kube_harness import Kubectl, eventually, in_cluster
+from kube_harness import Kubectl, eventually
 from operator_harness import ChartOperator
-from usage_harness import MODEL, budget_month, service, serving_pods, status
+from usage_harness import SdkClients, budget_month, service, serving_pods, status
 
 pytestmark = pytest.mark.e2e
 BUDGET = 2_000
 REQUESTS = 100
+OTHERS = 12  # requests of a tenant the Budget does not name, beside them
+RAISED = 3_000
+RAISE_SECONDS = 5  # from the Budget's edit until a service takes the tenant's request again
 MAX_TOKENS = 24  # with ignore_eos every request bills its prompt and exactly this: its reservation (100 of
 # them ask for about 2,800 tokens, more than the budget)
 
 
-class Clients:
-    """SDK clients with their default retries (max_retries=2), each attempt counted as it is sent."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.attempts = 0
-        self.lock = threading.Lock()
-
-    def count(self, _: Any) -> None:
-        with self.lock:
-            self.attempts += 1
-
-    def call(self, ip: str) -> tuple[str, int, str]:
-        """(where, tokens billed, "" or the error code)."""
-        with in_cluster(180) as http:
-            http.event_hooks["request"].append(self.count)
-            sdk = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key=self.key, http_client=http, timeout=180)
-            try:
-                reply = sdk.completions.create(model=MODEL, prompt="Tell me a joke", max_tokens=MAX_TOKENS,
-                                               extra_body={"ignore_eos": True})
-            except openai.APIStatusError as error:
-                body = error.body if isinstance(error.body, dict) else {}
-                return ip, 0, f"{error.status_code} {body.get('code') or body.get('type') or error.message}"
-            assert reply.usage is not None
-            return ip, reply.usage.total_tokens, ""
-
-
+@pytest.mark.parametrize("replicas", [(1, 1), (2, 1)], ids=["one-pod-each", "first-with-two-pods"])
 def test_a_platform_budget_over_two_services_is_spent_to_within_5_percent_and_never_past_it(
-        operator: ChartOperator, kubectl: Kubectl, kube: Kubectl, namespace: str) -> None:
-    key = secrets.token_hex(16)
-    kube("create", "secret", "generic", "tally-api-keys", f"--from-literal=api-keys=acme {key}\n")
+        operator: ChartOperator, kubectl: Kubectl, kube: Kubectl, namespace: str, replicas: tuple[int, int]) -> None:
+    key, other_key = secrets.token_hex(16), secrets.token_hex(16)
+    kube("create", "secret", "generic", "tally-api-keys", f"--from-literal=api-keys=acme {key}\nbeta {other_key}\n")
     names = ("chat", "code")
     budget_name = f"{namespace}-acme"  # first: a Budget that comes to cover running services rolls their pods once
     kubectl.apply({"apiVersion": "serving.tally.dev/v1alpha1", "kind": "Budget", "metadata": {"name": budget_name},
                    "spec": {"services": {"namespaces": [namespace]},
                             "tenants": [{"name": "acme", "monthly": BUDGET}]}})
     try:
-        for name in names:
-            manifest = service(name, replicas=1)
+        for name, count in zip(names, replicas, strict=True):
+            manifest = service(name, replicas=count)
             manifest["spec"]["auth"] = {"apiKeysSecret": {"name": "tally-api-keys"}}
             kube.apply(manifest)
-        pods = serving_pods(kube, 2)
+        pods = serving_pods(kube, sum(replicas))
         by_ip = {p["status"]["podIP"]: p["metadata"]["labels"]["serving.tally.dev/completionservice"] for p in pods}
-        assert sorted(by_ip.values()) == sorted(names)
-        clients = Clients(key)
+        assert sorted(set(by_ip.values())) == sorted(names)
+        clients, beside = SdkClients(key, MAX_TOKENS), SdkClients(other_key, MAX_TOKENS)
         ips = sorted(by_ip)
-        with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
-            answers = list(pool.map(clients.call, [ips[i % 2] for i in range(REQUESTS)]))
+        with concurrent.futures.ThreadPoolExecutor(REQUESTS + OTHERS) as pool:
+            others = [pool.submit(beside.call, ips[i % len(ips)]) for i in range(OTHERS)]
+            answers = list(pool.map(clients.call, [ips[i % len(ips)] for i in range(REQUESTS)]))
+            untouched = [future.result() for future in others]
+        assert [error for _, _, error in untouched] == [""] * OTHERS  # a tenant the Budget does not name
         spent = sum(tokens for _, tokens, _ in answers)
         refused = [error for _, _, error in answers if error]
         assert spent <= BUDGET, spent
@@ -102,8 +82,49 @@ def test_a_platform_budget_over_two_services_is_spent_to_within_5_percent_and_ne
             eventually(ledger, 60, interval=1, what=f"{name}'s ledger at its clients' {told} tokens")
         applied = next(c for c in status(kube, names[0])["conditions"] if c["type"] == "BudgetApplied")
         assert (applied["status"], applied["reason"]) == ("True", "PlatformBudget")
+        for name in names:  # the other tenant's books: what its clients were told
+            told = sum(tokens for ip, tokens, _ in untouched if by_ip[ip] == name)
+            eventually(lambda name=name, told=told: _tenant_total(kube, name, "beta") == told, 60, interval=1,
+                       what=f"beta's ledger on {name} at its clients' {told} tokens")
+
+        # A raise reaches both services: each serves the tenant again within 5 s of the edit
+        kubectl("patch", "budget", budget_name, "--type=merge",
+                "-p", json.dumps({"spec": {"tenants": [{"name": "acme", "monthly": RAISED}]}}))
+        edited = time.monotonic()
+        first = {name: next(ip for ip in ips if by_ip[ip] == name) for name in names}
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            reached = dict(zip(names, pool.map(lambda ip: _served_after(clients, ip, edited), first.values()),
+                               strict=True))
+        print(f"the raise reached the services after {reached} (seconds, tokens)")
+        assert all(seconds <= RAISE_SECONDS for seconds, _ in reached.values()), reached
+        # ... and is then spent on one service alone, to within 5 % and never past it
+        with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
+            more = list(pool.map(clients.call, [ip for ip in ips if by_ip[ip] == names[0]] * (REQUESTS // 2)))
+        spent_raised = spent + sum(tokens for _, tokens in reached.values()) + sum(t for _, t, _ in more)
+        assert 0.95 * RAISED <= spent_raised <= RAISED, (spent_raised, sorted({e for *_, e in more}))
+        assert {error for *_, error in more} <= {"", "429 insufficient_quota"}
+        eventually(lambda: (budget_month(kubectl, budget_name, "acme") or {}).get("spent") == spent_raised, 90,
+                   interval=1, what=f"the Budget's books at the clients' {spent_raised} tokens after the raise")
     finally:
         kubectl("delete", "budget", budget_name, "--wait=false", check=False)
+
+
+def _tenant_total(kube: Kubectl, name: str, tenant: str) -> int:
+    line = ((status(kube, name).get("usage") or {}).get("tenants") or {}).get(tenant) or {}
+    return int(line.get("promptTokens", 0)) + int(line.get("completionTokens", 0))
+
+
+def _served_after(clients: SdkClients, ip: str, since: float) -> tuple[float, int]:
+    """(seconds from `since` until `ip` took a request it then served: when the pod knew it had allowance, the
+    tokens it billed); polls for 60 s."""
+    deadline = since + 60
+    while time.monotonic() < deadline:
+        sent = time.monotonic()
+        _, tokens, error = clients.call(ip)
+        if not error:
+            return sent - since, tokens
+        assert error == "429 insufficient_quota", error
+    raise AssertionError(f"{ip} served nothing within 60 s of the raise")
 
 
 def test_a_serving_namespaces_edit_role_cannot_write_a_budget(operator: ChartOperator, kube: Kubectl,

@@ -146,3 +146,31 @@ class ClientThreads:
     def served(self) -> int:
         with self.lock:
             return len(self.received)
+
+
+class SdkClients:
+    """`openai` SDK clients of one API key with their default retries (max_retries=2), each attempt counted as
+    it is sent: completions of `max_tokens` with `ignore_eos` (each bills its prompt and exactly that)."""
+
+    def __init__(self, key: str, max_tokens: int = 24) -> None:
+        self.key, self.max_tokens = key, max_tokens
+        self.attempts = 0
+        self.lock = threading.Lock()
+
+    def count(self, _: Any) -> None:
+        with self.lock:
+            self.attempts += 1
+
+    def call(self, ip: str) -> tuple[str, int, str]:
+        """(where, tokens billed, "" or the status and error code)."""
+        with in_cluster(180) as http:
+            http.event_hooks["request"].append(self.count)
+            sdk = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key=self.key, http_client=http, timeout=180)
+            try:
+                reply = sdk.completions.create(model=MODEL, prompt="Tell me a joke", max_tokens=self.max_tokens,
+                                               extra_body={"ignore_eos": True})
+            except openai.APIStatusError as error:
+                body = error.body if isinstance(error.body, dict) else {}
+                return ip, 0, f"{error.status_code} {body.get('code') or body.get('type') or error.message}"
+            assert reply.usage is not None
+            return ip, reply.usage.total_tokens, ""
