@@ -14,7 +14,8 @@ operator keeps the leases of all pods within the tenant's budget.
 A tenant the message does not list is unlimited when the service has no default budget, else it has no
 allowance yet. A request that does not fit in what its tenant has left of its budget anywhere (`unspent` in
 the message, less what this pod spent and reserved since) is refused at once with `insufficient_quota` (and
-`x-should-retry: false`: the OpenAI SDKs would retry a 429 otherwise, for nothing). One that does fit but not
+`x-should-retry: false`: the OpenAI SDKs would retry a 429 otherwise, for nothing). One that fits only once this pod's own requests in flight
+return what they reserved and did not spend waits for them to end. One that does fit but not
 in the allowance here waits (`acquire`), as a request waits for a generation slot, while the pod asks for more:
 the tenants' waiting demand is on /metrics (`tally_budget_wanted_tokens{tenant}`) and on a long-poll the
 operator keeps open (`GET /internal/budgets/asks`), which answers the moment a request starts waiting, so the
@@ -102,6 +103,8 @@ class Budgets:
     waiting: dict[str, float] = field(default_factory=dict)  # tenant -> tokens its waiting requests need
     closed: bool = False  # draining: a waiting request is refused (503), and no new one waits
     _applied: asyncio.Future[None] | None = None  # resolved by the next lease message (waiters then try again)
+    _settled: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # tenant -> resolved when one of its
+    # requests ends (its waiters try again: what it did not spend came back)
     _asked: asyncio.Event = field(default_factory=asyncio.Event)  # set when demand changes (the long-poll)
 
     def lease(self, tenant: str) -> Lease:
@@ -126,21 +129,25 @@ class Budgets:
                 await self._wait_for_lease(tenant, tokens, left)
 
     async def _wait_for_lease(self, tenant: str, tokens: float, seconds: float) -> None:
+        """Until the next lease message, or one of the tenant's requests here ends, or `seconds` passed."""
+        loop = asyncio.get_running_loop()
         if self._applied is None or self._applied.done():
-            self._applied = asyncio.get_running_loop().create_future()
+            self._applied = loop.create_future()
         applied = self._applied
+        settled = self._settled.get(tenant)
+        if settled is None or settled.done():
+            settled = self._settled[tenant] = loop.create_future()
         self.waiting[tenant] = self.waiting.get(tenant, 0.0) + tokens
         self._changed_demand()
         try:
-            await asyncio.wait_for(asyncio.shield(applied), seconds)
-        except TimeoutError:
-            pass
+            await asyncio.wait({applied, settled}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:
             left = self.waiting.get(tenant, 0.0) - tokens
             if left > 0:
                 self.waiting[tenant] = left
             else:
                 self.waiting.pop(tenant, None)
+                self._settled.pop(tenant, None)  # nobody of the tenant waits on it any more
 
     def close(self) -> None:
         """The drain began: the waiting requests end (503, retried elsewhere), and none waits from now on."""
@@ -177,6 +184,8 @@ class Budgets:
             anywhere = math.inf if lease.unspent is None or self.month_over() else \
                 lease.unspent - (counter - lease.counter_at) - reserved
             if tokens > remaining and tokens > anywhere:
+                if tokens <= anywhere + reserved:  # it fits once this pod's requests in flight return what they
+                    raise NeedsAllowance(lease.allowance, remaining)  # did not spend: it waits for them to end
                 self._refuse(tenant, QUOTA_CODE, f"The tenant's token budget does not cover this request ({tokens:.0f} "
                              f"tokens reserved for it, {max(0.0, anywhere):.0f} left)",
                              limit=lease.allowance, remaining=remaining,
@@ -224,6 +233,9 @@ class Budgets:
         else:
             self.reserved.pop(reservation.tenant, None)
         reservation.in_window = min(reservation.tokens, billed)
+        settled = self._settled.pop(reservation.tenant, None)
+        if settled is not None and not settled.done():  # the tenant's waiters try again
+            settled.set_result(None)
 
     def remaining(self, tenant: str) -> float | None:
         allowance = self.lease(tenant).allowance

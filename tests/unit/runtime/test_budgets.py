@@ -184,3 +184,26 @@ def test_what_a_message_said_is_left_is_not_held_against_a_request_once_its_mont
     assert refusal(b, "acme", 10) == QUOTA_CODE
     b.apply({**message(2, {"acme": {"allowance": 0, "unspent": 0}}), "periodEnd": time.time() - 1}, EPOCH)
     assert refusal(b, "acme", 10) == WAIT
+
+
+async def test_a_request_that_fits_once_this_pods_requests_in_flight_end_waits_for_them() -> None:
+    """A request larger than what its tenant has left now, but not once the requests in flight here give back what
+    they reserved and did not spend, was refused `insufficient_quota` (which the SDK never retries) though it would
+    fit a moment later: it waits for them, is served when they end, and is refused only if it still does not fit."""
+    import asyncio
+
+    b, counters = budgets()
+    b.apply(message(1, {"acme": {"allowance": 300, "unspent": 300}}), EPOCH)
+    first = b.reserve("acme", 200)
+    waiting = asyncio.create_task(b.acquire("acme", 200, wait_seconds=30))
+    await until(lambda: b.waiting == {"acme": 200})  # 100 left now; 300 if the first spent nothing
+    counters["acme"] = 60  # the first stopped early: 140 of its 200 come back
+    b.settle(first, 60)
+    second = await asyncio.wait_for(waiting, 5)  # no lease message came: 300 - 60 left, enough
+    late = asyncio.create_task(b.acquire("acme", 100, wait_seconds=30))
+    await until(lambda: b.waiting == {"acme": 100})  # 40 left now, 240 at most once the second ends
+    counters["acme"] = 260  # the second spent all it reserved
+    b.settle(second, 200)
+    with pytest.raises(ApiError) as caught:
+        await asyncio.wait_for(late, 5)  # at once, not at the wait's end
+    assert caught.value.code == QUOTA_CODE and b.waiting == {} and not b._settled
