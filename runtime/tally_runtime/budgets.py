@@ -14,13 +14,13 @@ operator keeps the leases of all pods within the tenant's budget.
 A tenant the message does not list is unlimited when the service has no default budget, else it has no
 allowance yet. A request that does not fit in what its tenant has left of its budget anywhere (`unspent` in
 the message, less what this pod spent and reserved since) is refused at once with `insufficient_quota` (and
-`x-should-retry: false`: the OpenAI SDKs would retry a 429 otherwise, for nothing). One that fits only once this pod's own requests in flight
-return what they reserved and did not spend waits for them to end. One that does fit but not
-in the allowance here waits (`acquire`), as a request waits for a generation slot, while the pod asks for more:
-the tenants' waiting demand is on /metrics (`tally_budget_wanted_tokens{tenant}`) and on a long-poll the
-operator keeps open (`GET /internal/budgets/asks`), which answers the moment a request starts waiting, so the
-operator grants (or reclaims from idle pods and then grants) between its rounds. The waiters are served in
-arrival order as lease messages come; only a request still waiting when its time is up gets
+`x-should-retry: false`: the OpenAI SDKs would retry a 429 otherwise, for nothing). One that fits only once
+this pod's own requests in flight return what they reserved and did not spend waits for them to end. One that
+does fit but not in the allowance here waits (`acquire`), as a request waits for a generation slot, while the
+pod asks for more: the tenants' waiting demand is on /metrics (`tally_budget_wanted_tokens{tenant}`) and on a
+long-poll the operator keeps open (`GET /internal/budgets/asks`), which answers the moment a request starts
+waiting, so the operator grants (or reclaims from idle pods and then grants) between its rounds. The waiters
+are served in arrival order as lease messages come; only a request still waiting when its time is up gets
 `rate_limit_exceeded` with Retry-After. Before the first lease message nothing is served (a pod is not Ready
 until then), and a request that arrives meanwhile waits for it likewise.
 

@@ -1,7 +1,8 @@
 """CPU engine: llama.cpp (llama-cpp-python) running the embedded SmolLM2-135M-Instruct GGUF.
 
 One llama.cpp context per concurrent generation (a pool of `slots`), so interleaved requests never
-evict each other's KV cache; the weights are memory-mapped once and shared. Each generation runs in
+evict each other's KV cache, and a request takes the free one whose cache holds the longest prefix of its
+prompt (slots.py); the weights are memory-mapped once and shared. Each generation runs in
 its own thread and hands deltas to the event loop; decode steps take a lock so that two cores work
 on one step at a time instead of fighting over them. Aborting or closing a generation sets a flag that
 the thread checks before every step: the abort lands within one token, and the thread's last delta
@@ -41,6 +42,7 @@ from tally_runtime.engine.base import (
     StreamMode,
     TokenLogprob,
 )
+from tally_runtime.engine.slots import Slots, shared_prefix
 from tally_runtime.engine.stops import StopMatcher
 from tally_runtime.grammar import GrammarWorker
 
@@ -67,14 +69,15 @@ class _Step:
 
 
 class LlamaCppEngine:
-    def __init__(self, model_path: Path, context_length: int, slots: int, threads: int = 0) -> None:
+    def __init__(self, model_path: Path, context_length: int, slots: int, threads: int = 0,
+                 by_prefix: bool = True) -> None:
         self.model_path = model_path
         self.context_length = context_length
         self.slots = slots
         # 0: as many as the process can keep busy, its cores bounded by its cgroup's CPU limit (cpu_limit.py)
         self.threads, self.cpu_limit = (threads, None) if threads else usable_threads()
         self._pool: list[Any] = []
-        self._free: asyncio.Queue[Any] = asyncio.Queue()
+        self._free: Slots[Any] = Slots(lambda llama: llama.input_ids[: llama.n_tokens], by_prefix)
         self._busy: dict[int, Any] = {}  # id -> a context a generation holds now
         self._step_lock = threading.Lock()
         self._eog: frozenset[int] = frozenset()
@@ -99,7 +102,7 @@ class LlamaCppEngine:
                  f" (CPU limit {self.cpu_limit:g})" if self.cpu_limit is not None else "")
         await asyncio.to_thread(self._load)
         for llama in self._pool:
-            self._free.put_nowait(llama)
+            self._free.put(llama)
         await self._probe()
         return EngineInfo(
             model_path=str(self.model_path), context_length=self.context_length,
@@ -216,12 +219,12 @@ class LlamaCppEngine:
             self._cancels.pop(request.request_id, None)
 
     async def _generate(self, request: GenerationRequest, cancel: threading.Event) -> AsyncIterator[Delta]:
-        llama = await self._free.get()
+        llama = await self._free.take(request.prompt_ids)  # the one whose cache holds most of the prompt
         if self._stopping:
-            self._free.put_nowait(llama)
+            self._free.put(llama)
             raise EngineError("the engine is stopping", 503)
         if cancel.is_set():  # aborted before it had a context: nothing was computed for it
-            self._free.put_nowait(llama)
+            self._free.put(llama)
             yield Delta(finish_reason=FinishReason.ABORT)
             return
         self._busy[id(llama)] = llama
@@ -354,7 +357,7 @@ class LlamaCppEngine:
 
     def _release(self, llama: Any) -> None:
         self._busy.pop(id(llama), None)
-        self._free.put_nowait(llama)
+        self._free.put(llama)
 
     def _piece(self, llama: Any, token: int) -> str:
         if token in self._eog:
@@ -452,10 +455,5 @@ def _finite(value: float) -> float:
 
 def _reused_prefix(llama: Any, prompt: Sequence[int]) -> int:
     """Prompt tokens llama.cpp will take from this context's KV cache instead of recomputing."""
-    cached = llama.input_ids[: llama.n_tokens]
-    same = 0
-    for a, b in zip(cached, prompt, strict=False):
-        if a != b:
-            break
-        same += 1
+    same = shared_prefix(llama.input_ids[: llama.n_tokens], prompt)
     return min(same, len(prompt) - 1) if same else 0
