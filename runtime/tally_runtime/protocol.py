@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
 
@@ -90,10 +90,25 @@ class ResponseFormat(BaseModel):
         return text
 
 
+def null_is_omitted(model: type[BaseModel], data: Any) -> Any:
+    """A request's `null` for a field that has a default reads as the field left out, as the OpenAI API takes it
+    (`temperature: null`, `top_p: null`, `parallel_tool_calls: null` were 400s); a required field stays required."""
+    if not isinstance(data, dict) or None not in data.values():
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat. Unknown fields are accepted (benchmark clients send them)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        return null_is_omitted(cls, data)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)

@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tally_runtime.protocol import CALL_ID, MAX_TOOLS, ApiError, ChatCompletionRequest, validated
+from tally_runtime.protocol import CALL_ID, MAX_TOOLS, ApiError, ChatCompletionRequest, null_is_omitted, validated
 from tally_runtime.streaming import ChoiceResult, ResponseHeader
 from tally_runtime.tools import ToolPlan, tool_calls
 
@@ -74,6 +74,11 @@ class ResponsesRequest(BaseModel):
     """The request body. Unknown fields are accepted and ignored (logged), as for chat."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        return null_is_omitted(cls, data)
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(min_length=1)

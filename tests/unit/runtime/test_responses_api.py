@@ -166,3 +166,23 @@ def test_a_streams_tools_and_instructions_are_sent_once_in_its_closing_event() -
     assert out[0]["response"]["tools"] == [] and out[1]["response"]["instructions"] is None
     assert out[-1]["response"]["tools"][0]["name"] == "lookup" and len(out[-1]["response"]["instructions"]) == 20_000
     assert raw.count(b"x" * 50_000) == 1
+
+
+def test_a_null_reads_as_the_parameter_left_out_as_the_openai_api_takes_it() -> None:
+    """`temperature: null`, `top_p: null` and `parallel_tool_calls: null` were 400s (clients that build a body
+    from optional settings send them); a required parameter given as null is still missing."""
+    from tally_runtime.protocol import ChatCompletionRequest, CompletionRequest, validated
+
+    nulls = {"temperature": None, "top_p": None, "parallel_tool_calls": None, "n": None, "stream": None}
+    chat = to_chat(request(**nulls, tool_choice=None, max_output_tokens=None))
+    assert (chat.temperature, chat.top_p, chat.parallel_tool_calls, chat.stream) == (1.0, 1.0, True, False)
+    direct = validated(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **nulls})
+    assert (direct.temperature, direct.n, direct.parallel_tool_calls) == (1.0, 1, True)
+    completion = validated(CompletionRequest, {"prompt": "hi", "temperature": None, "max_tokens": None})
+    assert completion.temperature == 1.0
+    with pytest.raises(ApiError) as missing:
+        validated(ResponsesRequest, {"input": None})
+    assert missing.value.param == "input"
+    with pytest.raises(ApiError) as missing:
+        validated(ChatCompletionRequest, {"messages": None})
+    assert missing.value.param == "messages"
