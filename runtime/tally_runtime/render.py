@@ -16,7 +16,7 @@ from tally_runtime import sse
 from tally_runtime.engine.base import Delta
 from tally_runtime.prepare import Job
 from tally_runtime.streaming import ChatChunks, CompletionChunks, TextLogprobs
-from tally_runtime.tools import tool_calls
+from tally_runtime.tools import GenericReply, reply
 from tally_runtime.usage import ChoiceUsage
 
 _dumps = orjson.dumps
@@ -35,6 +35,7 @@ class EventRenderer:
         self.templates: dict[int, tuple[bytes, bytes]] = {}
         self.out: list[bytes] = []
         self.held: dict[int, list[str]] = {}  # a tool call's output, until it is whole (tools.py)
+        self.readers: dict[int, GenericReply] = {}  # the generic format's output: a reply streams as it is written
         if job.tools is not None:
             self.add = self._add_tool_call  # type: ignore[method-assign]
 
@@ -52,8 +53,9 @@ class EventRenderer:
         self.out.extend(sse.event(event) for event in self._dicts(index, delta))
 
     def _add_tool_call(self, index: int, delta: Delta) -> None:
-        """A choice constrained to a tool call: nothing but its role chunk until it ends; then the call
-        (or, cut off before it parsed, its text as content) and the finish reason."""
+        """A choice that may call tools: nothing but its role chunk until it ends; then the calls (or its text
+        as content) and the finish reason. In the generic format a reply (not a call) is streamed as it is
+        written: its text, never the JSON around it (tools.GenericReply)."""
         job, usage = self.job, self.usage[index]
         assert job.tools is not None and isinstance(self.chunks, ChatChunks)
         events: list[dict[str, Any]] = []
@@ -62,18 +64,25 @@ class EventRenderer:
             events.append(self.chunks.role(index, usage.running_usage(0) if job.continuous_usage else None, None))
         held = self.held.setdefault(index, [])
         held.append(delta.text)
-        if delta.finish_reason is not None:
-            text = "".join(held)
-            content, calls = tool_calls(job.tools, text) if delta.finish_reason == "stop" else (text, None)
-            running = usage.running_usage() if job.continuous_usage else None
+        reader = self.readers.setdefault(index, GenericReply()) if job.tools.instructions is not None else None
+        added = reader.feed(delta.text) if reader is not None else ""
+        running = usage.running_usage() if job.continuous_usage else None
+        if delta.finish_reason is None:
+            if added:
+                events.append(self.chunks.content(index, added, None, None, running))
+        elif reader is not None and reader.kind == "response":  # streamed: what is left, and the finish reason
+            events.append(self.chunks.content(index, added, None, str(delta.finish_reason), running))
+        else:
+            finish = str(delta.finish_reason)
+            content, calls = reply(job.tools, "".join(held), finish)
             if calls:
                 if content:
                     events.append(self.chunks.content(index, content, None, None))
                 events.append(self.chunks.tool_calls(index, calls))
-                events.append(self.chunks.content(index, "", None, "tool_calls", running))
-            else:  # the generic format's response is its text, not the JSON around it (tools.tool_calls)
-                events.append(self.chunks.content(index, content if content is not None else text, None,
-                                                  str(delta.finish_reason), running))
+                events.append(self.chunks.content(index, "", None, "tool_calls" if finish == "stop" else finish,
+                                                  running))
+            else:
+                events.append(self.chunks.content(index, content or "", None, finish, running))
         self.out.extend(sse.event(event) for event in events)
 
     def take(self) -> bytes:

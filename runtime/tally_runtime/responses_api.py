@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tally_runtime.protocol import CALL_ID, MAX_TOOLS, ApiError, ChatCompletionRequest, null_is_omitted, validated
 from tally_runtime.streaming import ChoiceResult, ResponseHeader
-from tally_runtime.tools import ToolPlan, tool_calls
+from tally_runtime.tools import ToolPlan, reply
 
 MAX_INPUT_ITEMS = 4096  # more items than this are refused before they are translated (the context bounds them too)
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on `metadata`
@@ -291,7 +291,7 @@ def output_items(response_id: str, text: str, finish_reason: str | None, tools: 
                  ) -> list[dict[str, Any]]:
     """The output: a message with the text, or (a tool call made) a `function_call` item per call, after a
     message with any text the model wrote around them. Ids derive from the response's, so they are stable."""
-    content, calls = (tool_calls(tools, text) if tools is not None and finish_reason == "stop" else (text, None))
+    content, calls = reply(tools, text, finish_reason)
     items: list[dict[str, Any]] = []
     if content or not calls:
         items.append(message_item(response_id, content or "", status_of(finish_reason)))

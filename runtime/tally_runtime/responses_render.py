@@ -25,6 +25,7 @@ from tally_runtime.responses_api import (
     response_object,
     status_of,
 )
+from tally_runtime.tools import GenericReply
 from tally_runtime.usage import ChoiceUsage
 
 
@@ -35,7 +36,8 @@ def named_event(payload: dict[str, Any]) -> bytes:
 
 class ResponsesRenderer:
     """`add` each delta after it was counted; `take` the events since the last take; `finish` with the usage,
-    or `fail`. A tool call's output is held until it is whole (it is parsed into calls, as for chat)."""
+    or `fail`. A tool call's output is held until it is whole (it is parsed into calls, as for chat); the generic
+    format's reply is streamed as it is written (tools.GenericReply)."""
 
     def __init__(self, job: Job, usage: Sequence[ChoiceUsage]) -> None:
         self.job = job
@@ -46,6 +48,8 @@ class ResponsesRenderer:
         self.finish_reason: str | None = None
         self.opened = False
         self.items: list[dict[str, Any]] = []
+        self.streamed = ""  # the generic format's reply, sent as it was written (tools.GenericReply)
+        self.reader = GenericReply() if job.tools is not None and job.tools.instructions is not None else None
         opening = response_object(self.head, "in_progress", [], None, brief=True)  # the request's tools: once, last
         self.emit("response.created", response=opening)
         self.emit("response.in_progress", response=opening)
@@ -57,10 +61,12 @@ class ResponsesRenderer:
     def add(self, index: int, delta: Delta) -> None:
         if delta.text:
             self.text.append(delta.text)
-            if self.job.tools is None:
+            shown = delta.text if self.job.tools is None else self.reader.feed(delta.text) if self.reader else ""
+            if shown:
                 self._open_message()
+                self.streamed += shown
                 self.emit("response.output_text.delta", item_id=message_id(self.head.id), output_index=0,
-                          content_index=0, delta=delta.text, logprobs=[])
+                          content_index=0, delta=shown, logprobs=[])
         if delta.finish_reason is not None:
             self.finish_reason = str(delta.finish_reason)
             self._close_items()
@@ -79,9 +85,10 @@ class ResponsesRenderer:
         for k, item in enumerate(self.items):
             if item["type"] == "message":
                 self._open_message()
-                if self.job.tools is not None and text and item["content"]:  # held until whole: sent now
+                whole = item["content"][0]["text"] if item["content"] else ""
+                if self.job.tools is not None and whole.startswith(self.streamed) and whole != self.streamed:
                     self.emit("response.output_text.delta", item_id=item["id"], output_index=k, content_index=0,
-                              delta=item["content"][0]["text"], logprobs=[])
+                              delta=whole[len(self.streamed):], logprobs=[])  # held until whole: the rest now
                 part = item["content"][0]
                 self.emit("response.output_text.done", item_id=item["id"], output_index=k, content_index=0,
                           text=part["text"], logprobs=[])

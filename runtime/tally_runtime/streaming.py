@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tally_runtime.engine.base import TokenLogprob
-from tally_runtime.tools import ToolPlan, tool_calls
+from tally_runtime.tools import ToolPlan, reply
 
 
 @dataclass(slots=True)
@@ -154,8 +154,7 @@ def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage
                   tools: ToolPlan | None = None) -> dict[str, Any]:
     choices = []
     for result in sorted(results, key=lambda r: r.index):
-        content, calls = (tool_calls(tools, result.text) if tools is not None and result.finish_reason == "stop"
-                          else (result.text, None))
+        content, calls = reply(tools, result.text, result.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:  # content None unless the model wrote text around its calls, as OpenAI sends it
             message["tool_calls"] = calls
@@ -164,7 +163,7 @@ def chat_response(header: ResponseHeader, results: Sequence[ChoiceResult], usage
                 "index": result.index,
                 "message": message,
                 "logprobs": chat_logprobs(result.logprobs) if result.logprobs is not None else None,
-                "finish_reason": "tool_calls" if calls else result.finish_reason,
+                "finish_reason": "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason,
             }
         )
     return header.envelope("chat.completion", choices, usage)

@@ -17,6 +17,7 @@ message (`generic_instructions`) shows the model the tools and the two shapes. E
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 from tally_runtime.protocol import MAX_SCHEMA_BYTES, ApiError, ChatCompletionRequest, NamedToolChoice
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+Calls = list[dict[str, Any]]  # OpenAI's `tool_calls`
 # The engine's parser of a model family's calls: the text around them, and each call's (name, arguments)
 Parser = Callable[[str], tuple[str, list[tuple[str, str]]]]
 
@@ -110,6 +112,103 @@ def _generic_parse(text: str) -> tuple[str, list[tuple[str, str]]]:
         return "", [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value["tool_calls"]
                     if isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c]
     return text, []
+
+
+def reply(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[str | None, Calls | None]:
+    """The content and OpenAI's `tool_calls` of a choice that ended with `finish_reason`: parsed whole when it
+    stopped; cut by a limit, the generic format's reply so far (its text, or the calls it completed), never the
+    JSON around it; any other output cut is its text as it is."""
+    if plan is None:
+        return text, None
+    if finish_reason == "stop":
+        return tool_calls(plan, text)
+    if plan.instructions is not None:
+        reader = GenericReply()
+        reader.feed(text)
+        if reader.kind == "calls":
+            calls = reader.completed_calls()
+            return "", [_call(name, arguments) for name, arguments in calls] or None
+        return reader.text, None
+    return text, None
+
+
+_RESPONSE_OPEN = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_CALLS_OPEN = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+class GenericReply:
+    """PURE: the generic format's output read as it is generated: which shape it is (`kind`: None until its
+    opening is whole, then "response" or "calls"), and a response's text decoded so far, so that a reply is
+    streamed as it is written instead of arriving whole at the end (`feed` returns what it adds)."""
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.kind: str | None = None
+        self.text = ""  # a response's text, decoded so far
+        self._at = 0  # where in `raw` the undecoded rest of the response's string begins
+        self._closed = False  # its closing quote was read
+
+    def feed(self, piece: str) -> str:
+        self.raw += piece
+        if self.kind is None:
+            opened = _RESPONSE_OPEN.match(self.raw)
+            if opened is not None:
+                self.kind, self._at = "response", opened.end()
+            elif _CALLS_OPEN.match(self.raw) is not None:
+                self.kind = "calls"
+        if self.kind != "response" or self._closed:
+            return ""
+        added = self._decode()
+        self.text += added
+        return added
+
+    def _decode(self) -> str:
+        """The response string's characters from `_at` on, up to its end or to an escape not whole yet."""
+        raw, at, out = self.raw, self._at, []
+        while at < len(raw):
+            char = raw[at]
+            if char == '"':
+                self._closed = True
+                break
+            if char != "\\":
+                out.append(char)
+                at += 1
+                continue
+            if at + 1 >= len(raw):
+                break  # the rest of the escape comes with the next piece
+            code = raw[at + 1]
+            if code == "u":
+                digits = raw[at + 2:at + 6]
+                if len(digits) < 4:
+                    break
+                value = int(digits, 16) if all(d in "0123456789abcdefABCDEF" for d in digits) else 0xFFFD
+                if 0xD800 <= value < 0xDC00 and len(raw) < at + 12:
+                    break  # the first half of a pair: decoded with its second
+                out.append(chr(value))
+                at += 6
+                continue
+            out.append(_ESCAPES.get(code, ""))
+            at += 2
+        self._at = at
+        return "".join(out).encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+    def completed_calls(self) -> list[tuple[str, str]]:
+        """The calls whose objects are whole, in order (a reply cut among its calls)."""
+        opened = _CALLS_OPEN.match(self.raw)
+        if opened is None:
+            return []
+        decoder, at = json.JSONDecoder(), opened.end()
+        calls: list[tuple[str, str]] = []
+        while True:
+            while at < len(self.raw) and self.raw[at] in " \t\n\r,":
+                at += 1
+            try:
+                value, at = decoder.raw_decode(self.raw, at)
+            except ValueError:
+                return calls
+            if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
+                calls.append((value["name"], json.dumps(value["arguments"], ensure_ascii=False)))
 
 
 def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:

@@ -186,3 +186,19 @@ def test_a_null_reads_as_the_parameter_left_out_as_the_openai_api_takes_it() -> 
     with pytest.raises(ApiError) as missing:
         validated(ChatCompletionRequest, {"messages": None})
     assert missing.value.param == "messages"
+
+
+def test_with_tools_offered_a_reply_streams_its_text_as_it_is_written() -> None:
+    """Issue 62, item 4, on /v1/responses: the generic format's reply arrived as one delta at the end."""
+    from tally_runtime.tools import generic_plan
+
+    plan = generic_plan(to_chat(request(tools=[{"type": "function", "name": "lookup", "parameters": {}}])),
+                        {"lookup": {"type": "object"}})
+    render = ResponsesRenderer(job(request(), plan), [])
+    render.add(0, Delta(text='{"response": "Hel', token_ids=(1,)))
+    first = [e for e in events(render.take()) if e["type"] == "response.output_text.delta"]
+    assert [e["delta"] for e in first] == ["Hel"]
+    render.add(0, Delta(text='lo"}', token_ids=(2,), finish_reason=FinishReason.STOP))
+    out = events(render.take() + render.finish({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}))
+    assert [e["delta"] for e in out if e["type"] == "response.output_text.delta"] == ["lo"]
+    assert out[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
