@@ -174,9 +174,11 @@ def tally_app(journal_path: str = "", records_file: str = "", api_keys_file: str
     from tally_runtime.app import create_app
     from tally_runtime.settings import Settings
 
+    # benchmarks/budget_waits.py paces the tokens, so that requests overlap as on a real node
+    pace = float(os.environ.get("TALLY_BENCH_TOKEN_SECONDS", "0"))
     return create_app(Settings(max_concurrent_generations=100_000, served_model_name="m", journal_path=journal_path,
                                usage_records=False, usage_records_file=records_file, api_keys_file=api_keys_file,
-                               budgets=budgets), FastEngine())
+                               budgets=budgets), FastEngine(pace))
 
 
 def sglang_app() -> Any:

@@ -230,6 +230,7 @@ class LlamaCppEngine:
         self._busy[id(llama)] = llama
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        released = loop.create_future()  # the context is free again (the thread is done with it)
 
         def emit(item: Delta | BaseException) -> None:
             if not loop.is_closed():
@@ -247,7 +248,7 @@ class LlamaCppEngine:
             finally:
                 self._running.pop(threading.current_thread(), None)
                 if not loop.is_closed():
-                    loop.call_soon_threadsafe(self._release, llama)
+                    loop.call_soon_threadsafe(self._release, llama, released)
 
         thread = threading.Thread(target=work, name=f"gen-{request.request_id}", daemon=True)
         self._running[thread] = cancel
@@ -259,6 +260,8 @@ class LlamaCppEngine:
                     raise item
                 yield item
                 if item.finish_reason is not None:
+                    # Ended only once its context is free: a request that follows finds its cache (slots.py)
+                    await asyncio.shield(released)
                     return
         finally:
             cancel.set()  # closed early: the thread stops before its next step
@@ -355,9 +358,11 @@ class LlamaCppEngine:
             alternatives = (*alternatives, (piece, _finite(values[token])))
         return (TokenLogprob(piece, _finite(values[token]), alternatives),)
 
-    def _release(self, llama: Any) -> None:
+    def _release(self, llama: Any, released: asyncio.Future[None]) -> None:
         self._busy.pop(id(llama), None)
         self._free.put(llama)
+        if not released.done():
+            released.set_result(None)
 
     def _piece(self, llama: Any, token: int) -> str:
         if token in self._eog:

@@ -1,9 +1,11 @@
 """The CPU engine's contexts (one llama.cpp context per concurrent generation), lent out by the prompt they share
 most with: a request goes to the free context whose KV cache holds the longest prefix of its prompt, so a repeated
 system prompt or an agent's growing conversation is computed once per context, not once per request (what SGLang's
-radix cache does across requests). Among contexts that share nothing, the one free the longest goes (least
-recently used: the others' caches are the likelier to be asked for again). Waiters are served first come, first
-served; a waiter cancelled while it waits takes nothing."""
+radix cache does across requests), unless that costs more cache than it saves: a context is chosen by what the
+request must compute there plus what of its cache is lost (`len(prompt) + held - 2 x shared`, the least), so a
+prompt that shares only a few opening words with a context's system prompt does not overwrite it while a context
+holding little is free. Among equals, the one free the longest goes (least recently used). Waiters are served
+first come, first served; a waiter cancelled while it waits takes nothing."""
 
 from __future__ import annotations
 
@@ -38,13 +40,14 @@ class Slots(Generic[Context]):
         self._count.release()
 
     async def take(self, prompt: Sequence[int]) -> Context:
-        """The free context that shares the longest prefix with `prompt`, waiting for one if none is free."""
+        """The free context where `prompt` costs least (computed, plus cache lost), waiting if none is free."""
         await self._count.acquire()
         best = 0
         if self.by_prefix:
-            longest = 0
+            least = None
             for index, context in enumerate(self._free):
-                same = shared_prefix(self._cached(context), prompt)
-                if same > longest:
-                    best, longest = index, same
+                held = self._cached(context)
+                cost = len(held) - 2 * shared_prefix(held, prompt)  # + len(prompt), the same for every context
+                if least is None or cost < least:
+                    best, least = index, cost
         return self._free.pop(best)

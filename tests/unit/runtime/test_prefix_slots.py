@@ -18,13 +18,21 @@ def test_shared_prefix_counts_leading_tokens_in_common() -> None:
     assert shared_prefix([], [1]) == 0 and shared_prefix([1, 2], [1, 2]) == 2 and shared_prefix([9], [1]) == 0
 
 
-async def test_the_longest_prefix_wins_ties_go_to_the_context_free_the_longest_and_waiters_keep_their_turn() -> None:
+async def test_the_cheapest_context_wins_ties_go_to_the_one_free_the_longest_and_waiters_keep_their_turn() -> None:
+    """Cost: what the request computes there plus what of the context's cache it overwrites."""
     slots: Slots[tuple[int, ...]] = Slots(lambda cached: cached)
-    for context in [(1, 2), (5, 6, 7), (8,)]:
+    system = tuple(range(100, 140))
+    for context in [(1, 2), (*system, 7, 7), (8, 9), system[:3]]:
         slots.put(context)
-    assert await slots.take([5, 6, 0]) == (5, 6, 7)
-    assert await slots.take([3]) == (1, 2)  # nothing shared: the oldest free
-    assert await slots.take([1]) == (8,)
+    assert await slots.take([*system, 5]) == (*system, 7, 7)  # its whole system prompt is there
+    assert await slots.take([*system[:3], 50, 51]) == system[:3]  # shares a little with what holds little
+    assert await slots.take([3]) == (1, 2)  # nothing shared, equal cost: the one free the longest
+    assert await slots.take([3]) == (8, 9)
+    slots.put((*system, 7))
+    slots.put((42,))
+    # a prompt that shares only the opening words of a held system prompt does not overwrite it
+    assert await slots.take([*system[:3], 60, 61, 62]) == (42,)
+    assert await slots.take([1]) == (*system, 7)
     first = asyncio.create_task(slots.take([1]))
     gone = asyncio.create_task(slots.take([1]))
     last = asyncio.create_task(slots.take([1]))
