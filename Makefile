@@ -63,6 +63,8 @@ bench: install  ## smoke versions of the benchmarks (full runs: benchmarks/READM
 	$(PY) benchmarks/operator_scale.py --services 0 --pods 50
 	$(PY) benchmarks/journal.py --streams 1 --tokens 1 --requests 100 --repeats 1
 	$(PY) benchmarks/budgets.py --streams 1 --tokens 1 --requests 100 --repeats 1
+	$(PY) benchmarks/budget_waits.py --requests 20 --budget 400 --repeats 1
+	$(PY) benchmarks/prefix_slots.py --requests 8 --repeats 1
 	$(PY) benchmarks/autoscaling.py
 
 up: bins images  ## the local cluster alone
