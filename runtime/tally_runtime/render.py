@@ -64,7 +64,8 @@ class EventRenderer:
             events.append(self.chunks.role(index, usage.running_usage(0) if job.continuous_usage else None, None))
         held = self.held.setdefault(index, [])
         held.append(delta.text)
-        reader = self.readers.setdefault(index, GenericReply()) if job.tools.instructions is not None else None
+        streams = job.tools.instructions is not None and not job.tools.answer  # a reply in text: streamed
+        reader = self.readers.setdefault(index, GenericReply()) if streams else None
         added = reader.feed(delta.text) if reader is not None else ""
         running = usage.running_usage() if job.continuous_usage else None
         if delta.finish_reason is None:

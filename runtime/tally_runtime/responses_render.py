@@ -49,7 +49,8 @@ class ResponsesRenderer:
         self.opened = False
         self.items: list[dict[str, Any]] = []
         self.streamed = ""  # the generic format's reply, sent as it was written (tools.GenericReply)
-        self.reader = GenericReply() if job.tools is not None and job.tools.instructions is not None else None
+        self.reader = GenericReply() if job.tools is not None and job.tools.instructions is not None \
+            and not job.tools.answer else None
         opening = response_object(self.head, "in_progress", [], None, brief=True)  # the request's tools: once, last
         self.emit("response.created", response=opening)
         self.emit("response.in_progress", response=opening)

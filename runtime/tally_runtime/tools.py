@@ -37,6 +37,7 @@ class ToolPlan:
     named: str | None = None  # the function tool_choice names: the output is its arguments
     parse: Parser | None = None  # tool_choice auto: the engine's parser, or the generic format's
     instructions: str | None = None  # the generic format: the system message that shows the tools and shapes
+    answer: bool = False  # the generic format's reply is JSON in the requested response format (else text)
 
 
 def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] = lambda: None) -> ToolPlan | None:
@@ -52,15 +53,17 @@ def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] =
         if tool.function.name in parameters:
             raise ApiError(400, f"Two tools are named {tool.function.name!r}", param="tools")
         parameters[tool.function.name] = tool.function.parameters or EMPTY_PARAMETERS
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(400, "response_format cannot be combined with tool calls", param="response_format")
     if req.logprobs:
         raise ApiError(400, "logprobs cannot be combined with tool calls", param="logprobs")
     if choice is None or choice == "auto":
+        answer = _answer_schema(req)
+        if answer is not None:  # a call, or the final answer in the requested format: the generic format holds
+            return generic_plan(req, parameters, answer)  # both, whatever the engine's own parser reads
         parse = parser()
         if parse is None:
             return generic_plan(req, parameters)
         return ToolPlan(None, parse=parse)
+    # tool_choice required or a function: the output is a call, so a response format has nothing to shape
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in parameters:
@@ -80,25 +83,52 @@ def _calls(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]], ke
     return array
 
 
-def generic_plan(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]]) -> ToolPlan:
-    """`auto` without the engine's parser: the output is either calls or a response, as JSON the grammar
-    guarantees (llama.cpp's generic format)."""
+def _answer_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The schema `response_format` asks the final answer to follow (None: free text)."""
+    if req.response_format is None:
+        return None
+    try:
+        text = req.response_format.schema_text()
+    except ValueError as err:
+        raise ApiError(400, f"Invalid response_format: {err}", param="response_format") from None
+    return None if text is None else dict(json.loads(text))
+
+
+def generic_plan(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]],
+                 answer: dict[str, Any] | None = None) -> ToolPlan:
+    """`auto` without the engine's parser, or with a response format: the output is either calls or a response
+    (text, or JSON following `answer`), as JSON the grammar guarantees (llama.cpp's generic format)."""
     schema = {"anyOf": [
         {"type": "object", "properties": {"tool_calls": _calls(req, parameters, "arguments")},
          "required": ["tool_calls"],
          "additionalProperties": False},
-        {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-         "additionalProperties": False}]}
-    return ToolPlan(_bounded(schema), parse=_generic_parse, instructions=generic_instructions(req))
+        {"type": "object", "properties": {"response": answer if answer is not None else {"type": "string"}},
+         "required": ["response"], "additionalProperties": False}]}
+    parse = _generic_parse if answer is None else _structured_parse
+    return ToolPlan(_bounded(schema), parse=parse, instructions=generic_instructions(req, answer),
+                    answer=answer is not None)
 
 
-def generic_instructions(req: ChatCompletionRequest) -> str:
+def generic_instructions(req: ChatCompletionRequest, answer: dict[str, Any] | None = None) -> str:
     """What the model is told of the tools and the two shapes it may answer in."""
     shown = [{"name": t.function.name, "description": t.function.description or "",
               "parameters": t.function.parameters or EMPTY_PARAMETERS} for t in req.tools or ()]
+    reply = "<your reply>" if answer is None else \
+        "<your final answer, as JSON following this schema: " + json.dumps(answer, ensure_ascii=False) + ">"
     return ("You can call these tools:\n" + json.dumps(shown, ensure_ascii=False) + "\n\nRespond in JSON: either "
             '{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}]} to call tools, or '
-            '{"response": <your reply>} to reply to the user.')
+            '{"response": ' + reply + "} to reply to the user.")
+
+
+def _structured_parse(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """The generic format with a response format: a reply is its JSON, as `response_format` alone gives it."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, []
+    if isinstance(value, dict) and "response" in value:
+        return json.dumps(value["response"], ensure_ascii=False), []
+    return _generic_parse(text)
 
 
 def _generic_parse(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -128,11 +158,15 @@ def reply(plan: ToolPlan | None, text: str, finish_reason: str | None) -> tuple[
         if reader.kind == "calls":
             calls = reader.completed_calls()
             return "", [_call(name, arguments) for name, arguments in calls] or None
+        if plan.answer:  # the reply's JSON as far as it came, as a response format alone leaves a cut
+            opened = _ANSWER_OPEN.match(text)
+            return (text[opened.end():] if opened is not None else ""), None
         return reader.text, None
     return text, None
 
 
 _RESPONSE_OPEN = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_ANSWER_OPEN = re.compile(r'\s*\{\s*"response"\s*:\s*')
 _CALLS_OPEN = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 

@@ -256,3 +256,50 @@ def test_a_client_that_leaves_mid_stream_is_billed_what_the_engine_generated(url
     after = httpx.get(f"{url}/metrics").text
     name = "tally_completion_tokens_total"
     assert metric_value(after, name) - metric_value(before, name) == billed["completion_tokens"]
+
+
+def test_an_agent_with_a_tool_and_a_pydantic_output_type_runs_end_to_end_billed_to_its_tenant(
+        url: str, records: Path) -> None:
+    """Issue 62, item 1: an Agents SDK `Agent(tools=…, output_type=…)` was refused on its first model call (tools
+    with `text.format`). The generic format offers the tool or the final answer in the output type's schema."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    set_tracing_disabled(True)
+    called: list[str] = []
+
+    class Forecast(BaseModel):
+        city: str
+        summary: str
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"Sunny, 21 C in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                default_headers={"X-Tally-Tenant": "agents-typed"})
+    agent = Agent(name="weather", instructions="Answer questions about the weather using the tool.",
+                  tools=[get_weather], output_type=Forecast,
+                  model=OpenAIResponsesModel("smollm2-135m-instruct", client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120))
+    before = counted(url)
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=6))
+    assert called and isinstance(result.final_output, Forecast), result.final_output
+    ids = [str(r.response_id) for r in result.raw_responses]
+    usage = result.context_wrapper.usage
+
+    def written() -> list[dict[str, Any]]:
+        found = [r for r in map(json.loads, records.read_text().splitlines()) if r["id"] in ids]
+        return found if len(found) == len(ids) else []
+
+    assert until(written, 30), "a model call's usage record was not written"
+    mine = written()
+    assert {(r["tenant"], r["outcome"]) for r in mine} == {("agents-typed", "ok")}
+    assert (len(mine), sum(r["prompt_tokens"] for r in mine), sum(r["completion_tokens"] for r in mine)) == \
+        (len(ids), usage.input_tokens, usage.output_tokens)
+    after = counted(url)
+    assert (after[1] - before[1], after[2] - before[2]) == (usage.input_tokens, usage.output_tokens)

@@ -128,8 +128,6 @@ def test_json_object_on_both_endpoints_is_an_object(url: str) -> None:
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
       "tool_choice": "required"}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "<|im_start|>system"}}],
       "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
@@ -252,3 +250,43 @@ def test_tool_choice_auto_answers_in_the_generic_format_calls_or_text_and_every_
     if unread:
         told = [a + b for a, b in zip(told, recorded(records, unread), strict=True)]
     assert [a - b for a, b in zip(counted(url), before, strict=True)] == told == recorded(records, ids)
+
+
+def test_tools_with_a_structured_final_answer_give_calls_or_the_answer_and_every_one_parses(
+        url: str, records: Path) -> None:
+    """Issue 62, item 1: tools together with `response_format` were always a 400 (`chat.completions.parse(tools=…,
+    response_format=…)`, how most agents end). The generic format holds both: the output is calls, or a response
+    that follows the schema; each reply parses into calls or the pydantic model, streamed or not, billed as
+    counted."""
+    before = counted(url)
+    told, ids, kinds, unread = [0, 0, 0], [], set(), []
+    for i in range(8):
+        kwargs: Any = {"model": "smollm2-135m-instruct", "messages": ASK if i % 2 else MESSAGES, "tools": TOOLS,
+                       "response_format": City, "max_tokens": 160, "temperature": 0.8}
+        try:
+            reply = completed(url, kwargs, streamed=i % 4 >= 2)
+        except openai.LengthFinishReasonError as cut:
+            reply = cut.completion
+            kinds.add("cut")
+            if reply.usage is None:
+                unread.append(reply.id)
+                ids.append(reply.id)
+                continue
+        choice_ = reply.choices[0]
+        if choice_.finish_reason == "tool_calls":
+            kinds.add("calls")
+            for call in choice_.message.tool_calls or []:
+                {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name].model_validate_json(
+                    call.function.arguments)
+        elif choice_.finish_reason == "stop":
+            kinds.add("answer")
+            assert isinstance(choice_.message.parsed, City), choice_.message.content
+        assert reply.usage is not None
+        told = [told[0] + 1, told[1] + reply.usage.prompt_tokens, told[2] + reply.usage.completion_tokens]
+        ids.append(reply.id)
+    assert kinds - {"cut"}, kinds
+    if unread:
+        told = [a + b for a, b in zip(told, recorded(records, unread), strict=True)]
+    assert recorded(records, ids) == told  # every record written: /metrics counted them as it wrote them
+    # (tokens: a streamed reply the SDK stopped reading at its cut counts as a request of another outcome)
+    assert [a - b for a, b in zip(counted(url), before, strict=True)][1:] == told[1:]
