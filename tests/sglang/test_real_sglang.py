@@ -342,6 +342,21 @@ def test_tool_choice_auto_without_a_parser_answers_in_the_generic_format(sglang_
         assert choice.message.content is not None and not choice.message.content.startswith('{"response"')
 
 
+def test_tools_with_a_structured_final_answer_on_sglangs_engine_give_calls_or_the_answer(sglang_url: str) -> None:
+    """Tools together with a `response_format` (issue 62, item 1): xgrammar constrains the output to calls or a
+    response in the schema; each reply parses into a call or the pydantic model, streamed or not."""
+    client = openai.OpenAI(base_url=f"{sglang_url}/v1", api_key="unused", max_retries=0)
+    kwargs: Any = {"model": "smollm2-135m-instruct", "max_tokens": 400, "temperature": 0.8,
+                   "messages": [{"role": "user", "content": "Describe a large city as JSON."}],
+                   "tools": [openai.pydantic_function_tool(GetWeather)], "response_format": City}
+    for reply in both_ways(client, kwargs, calls=4):
+        choice = reply.choices[0]
+        if choice.finish_reason == "tool_calls":
+            assert isinstance((choice.message.tool_calls or [])[0].function.parsed_arguments, GetWeather)
+        else:
+            assert isinstance(choice.message.parsed, City), choice.message.content
+
+
 def test_the_pickers_gauges_are_sglangs_own_plus_tallys_queue(tmp_path: Any) -> None:
     """`--model-server-metrics` on the real engine: an endpoint picker reading this pod as SGLang sees Tally's
     admission queue in `sglang:num_queue_reqs`, SGLang's running count and KV fraction, and its token pool
