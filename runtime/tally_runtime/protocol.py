@@ -238,6 +238,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(None, ge=1)  # the Responses API's bound on calls (an extension on chat)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

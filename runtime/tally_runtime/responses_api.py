@@ -95,6 +95,7 @@ class ResponsesRequest(BaseModel):
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(None, ge=0)
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -142,6 +143,14 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                          for t in req.tools]
     if req.tool_choice is not None:
         body["tool_choice"] = chat_tool_choice(req.tool_choice)
+    if req.max_tool_calls is not None and req.tools:  # at most this many calls: the grammar's bound (tools.py)
+        if req.max_tool_calls == 0:
+            if req.tool_choice not in (None, "auto", "none"):
+                raise ApiError(400, "max_tool_calls is 0, so no tool can be called as tool_choice asks",
+                               param="max_tool_calls")
+            body["tool_choice"] = "none"
+        else:
+            body["max_tool_calls"] = req.max_tool_calls
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -278,6 +287,7 @@ def header(req: ResponsesRequest, chat_header: ResponseHeader) -> ResponsesHeade
     echo = {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "metadata": dict(req.metadata or {}), "parallel_tool_calls": req.parallel_tool_calls,
+        "max_tool_calls": req.max_tool_calls,
         "temperature": req.temperature, "top_p": req.top_p, "tools": tools,
         "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none"),
         "text": {"format": fmt or {"type": "text"}}, "truncation": req.truncation or "disabled",

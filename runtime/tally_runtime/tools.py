@@ -38,6 +38,7 @@ class ToolPlan:
     parse: Parser | None = None  # tool_choice auto: the engine's parser, or the generic format's
     instructions: str | None = None  # the generic format: the system message that shows the tools and shapes
     answer: bool = False  # the generic format's reply is JSON in the requested response format (else text)
+    max_calls: int | None = None  # the engine's parser: calls beyond are dropped (the grammar bounds the others)
 
 
 def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] = lambda: None) -> ToolPlan | None:
@@ -62,7 +63,7 @@ def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] =
         parse = parser()
         if parse is None:
             return generic_plan(req, parameters)
-        return ToolPlan(None, parse=parse)
+        return ToolPlan(None, parse=parse, max_calls=1 if not req.parallel_tool_calls else req.max_tool_calls)
     # tool_choice required or a function: the output is a call, so a response format has nothing to shape
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -73,13 +74,16 @@ def plan_tools(req: ChatCompletionRequest, parser: Callable[[], Parser | None] =
 
 
 def _calls(req: ChatCompletionRequest, parameters: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
-    """A JSON array of `{"name", key}` objects, one function name each (at most one unless parallel calls)."""
+    """A JSON array of `{"name", key}` objects, one function name each (at most one unless parallel calls, at
+    most `max_tool_calls`)."""
     call = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, key: schema},
                        "required": ["name", key], "additionalProperties": False}
                       for name, schema in parameters.items()]}
     array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if not req.parallel_tool_calls:
         array["maxItems"] = 1
+    elif req.max_tool_calls is not None:
+        array["maxItems"] = req.max_tool_calls
     return array
 
 
@@ -250,6 +254,7 @@ def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, An
     output that does not parse, as when cut off by a limit, is content too)."""
     if plan.parse is not None:
         normal, found = plan.parse(text)
+        found = found[:plan.max_calls] if plan.max_calls else found
         if not found:
             return (normal if plan.instructions is not None else text), None  # generic: its response's text
         return normal or None, [_call(name, arguments) for name, arguments in found]

@@ -202,3 +202,34 @@ def test_with_tools_offered_a_reply_streams_its_text_as_it_is_written() -> None:
     out = events(render.take() + render.finish({"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}))
     assert [e["delta"] for e in out if e["type"] == "response.output_text.delta"] == ["lo"]
     assert out[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
+
+
+def test_max_tool_calls_bounds_the_calls_a_response_may_make() -> None:
+    """Issue 62, item 6: `max_tool_calls` was accepted and ignored. The grammar allows at most that many calls
+    (the generic format's array, `required`'s), 0 offers none, and an engine parser's extra calls are dropped."""
+    import json as json_
+
+    from tally_runtime.tools import ToolPlan, plan_tools, tool_calls
+
+    tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
+
+    def max_items(**fields: Any) -> Any:
+        plan = plan_tools(to_chat(request(tools=tools, **fields)))
+        assert plan is not None and plan.schema is not None
+        schema = json_.loads(plan.schema)
+        array = schema["anyOf"][0]["properties"]["tool_calls"] if "anyOf" in schema else schema
+        return array.get("maxItems")
+
+    assert max_items() is None and max_items(max_tool_calls=3) == 3 and max_items(max_tool_calls=1) == 1
+    assert max_items(max_tool_calls=3, tool_choice="required") == 3
+    assert max_items(max_tool_calls=3, parallel_tool_calls=False) == 1
+    assert plan_tools(to_chat(request(tools=tools, max_tool_calls=0))) is None  # answered in text
+    with pytest.raises(ApiError) as refused:
+        to_chat(request(tools=tools, max_tool_calls=0, tool_choice="required"))
+    assert refused.value.param == "max_tool_calls"
+    parser = lambda text: ("", [("lookup", "{}")] * 3)  # noqa: E731
+    chat = to_chat(request(tools=tools, max_tool_calls=2))
+    plan = plan_tools(chat, lambda: parser)
+    assert plan is not None and plan.max_calls == 2
+    assert len(tool_calls(plan, "anything")[1] or []) == 2
+    assert len(tool_calls(ToolPlan(None, parse=parser), "anything")[1] or []) == 3
