@@ -163,6 +163,30 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise renamed(error) from None
 
 
+def turns(chat: ChatCompletionRequest) -> list[int]:
+    """PURE: where each droppable turn of the conversation begins (indices into its messages): the instructions
+    and leading system messages stay, and a tool result goes with the call before it (a template would refuse a
+    result whose call was dropped)."""
+    starts: list[int] = []
+    for index, message in enumerate(chat.messages):
+        if message.role in ("system", "developer") and not starts:
+            continue
+        if message.role == "tool" and starts:
+            continue
+        starts.append(index)
+    return starts
+
+
+def truncated(chat: ChatCompletionRequest, drop: int) -> ChatCompletionRequest:
+    """PURE: the conversation without its `drop` oldest turns (`truncation: auto`; at least one turn stays)."""
+    starts = turns(chat)
+    drop = min(drop, len(starts) - 1)
+    if drop <= 0:
+        return chat
+    messages = chat.messages[:starts[0]] + chat.messages[starts[drop]:]
+    return chat.model_copy(update={"messages": messages})
+
+
 def refuse_unsupported(req: ResponsesRequest) -> None:
     for param, why in STATEFUL.items():
         if getattr(req, param) is not None:

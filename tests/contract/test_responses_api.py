@@ -303,3 +303,22 @@ def test_an_agent_with_a_tool_and_a_pydantic_output_type_runs_end_to_end_billed_
         (len(ids), usage.input_tokens, usage.output_tokens)
     after = counted(url)
     assert (after[1] - before[1], after[2] - before[2]) == (usage.input_tokens, usage.output_tokens)
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context_and_disabled_refuses(url: str, model: str) -> None:
+    """Issue 62, item 6: `truncation: "auto"` was echoed but not applied (a conversation past the context was a
+    400 either way). Now the oldest turns go, as few as make it fit; the instructions stay."""
+    context = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0].get("context_length") or 2048
+    turn = "Tell me more about the history of the town and its river. " * 25  # about 300 tokens
+    items: list[dict[str, Any]] = []
+    for i in range(2 * (context // 300 + 2)):
+        items.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {turn}"})
+    items.append({"role": "user", "content": "And today?"})
+    body = {"model": model, "instructions": "Be brief.", "input": items, "max_output_tokens": 8}
+    refused = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    served = httpx.post(f"{url}/v1/responses", json={**body, "truncation": "auto"}, timeout=120)
+    assert served.status_code == 200, served.text
+    used = served.json()["usage"]["input_tokens"]
+    assert context - 8 - 400 < used <= context - 8, (used, context)  # as much as fits: one turn fewer would not
+    assert served.json()["truncation"] == "auto"

@@ -233,3 +233,18 @@ def test_max_tool_calls_bounds_the_calls_a_response_may_make() -> None:
     assert plan is not None and plan.max_calls == 2
     assert len(tool_calls(plan, "anything")[1] or []) == 2
     assert len(tool_calls(ToolPlan(None, parse=parser), "anything")[1] or []) == 3
+
+
+def test_truncation_drops_whole_turns_oldest_first_and_keeps_the_instructions() -> None:
+    from tally_runtime.responses_api import truncated, turns
+
+    chat = to_chat(request(instructions="Be brief.", input=[
+        {"role": "user", "content": "a"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"role": "user", "content": "b"}]))
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert turns(chat) == [1, 2, 4]  # the call's result goes with it
+    assert [m.role for m in truncated(chat, 1).messages] == ["system", "assistant", "tool", "user"]
+    assert [m.role for m in truncated(chat, 2).messages] == ["system", "user"]
+    assert [m.role for m in truncated(chat, 9).messages] == ["system", "user"]  # the last turn always stays
