@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tally_runtime.engine.base import TokenLogprob
 from tally_runtime.protocol import CALL_ID, MAX_TOOLS, ApiError, ChatCompletionRequest, null_is_omitted, validated
-from tally_runtime.streaming import ChoiceResult, ResponseHeader
+from tally_runtime.streaming import ChoiceResult, ResponseHeader, chat_logprobs
 from tally_runtime.tools import ToolPlan, reply
 
 MAX_INPUT_ITEMS = 4096  # more items than this are refused before they are translated (the context bounds them too)
@@ -40,7 +41,8 @@ EXTENSIONS = ("ignore_eos", "min_tokens", "top_k", "repetition_penalty", "presen
               "seed", "stop")
 # A chat parameter's name in the Responses API, for the refusals the shared preparation raises
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-          "response_format": "text.format"}
+          "response_format": "text.format", "logprobs": "include", "top_logprobs": "top_logprobs"}
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the output text's logprobs
 
 
 class FormatText(BaseModel):
@@ -99,6 +101,7 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = Field(None, max_length=16)
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -151,6 +154,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             body["tool_choice"] = "none"
         else:
             body["max_tool_calls"] = req.max_tool_calls
+    if LOGPROBS in (req.include or ()):  # each output token's logprob, and `top_logprobs` alternatives
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
@@ -198,9 +203,6 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     if req.background:
         raise ApiError(400, "background responses need a response store, and this server keeps none",
                        param="background", code="unsupported_parameter")
-    if req.top_logprobs:
-        raise ApiError(400, "top_logprobs is not supported on /v1/responses by this server", param="top_logprobs",
-                       code="unsupported_parameter")
     for i, tool in enumerate(req.tools or ()):
         if tool.type != "function":
             raise ApiError(400, f"Tools of type {tool.type[:64]!r} are not supported by this server (function "
@@ -321,14 +323,14 @@ def header(req: ResponsesRequest, chat_header: ResponseHeader) -> ResponsesHeade
     return ResponsesHeader(f"resp_{suffix}", chat_header.created, chat_header.model, echo)
 
 
-def output_items(response_id: str, text: str, finish_reason: str | None, tools: ToolPlan | None
-                 ) -> list[dict[str, Any]]:
+def output_items(response_id: str, text: str, finish_reason: str | None, tools: ToolPlan | None,
+                 logprobs: Sequence[TokenLogprob] | None = None) -> list[dict[str, Any]]:
     """The output: a message with the text, or (a tool call made) a `function_call` item per call, after a
     message with any text the model wrote around them. Ids derive from the response's, so they are stable."""
     content, calls = reply(tools, text, finish_reason)
     items: list[dict[str, Any]] = []
     if content or not calls:
-        items.append(message_item(response_id, content or "", status_of(finish_reason)))
+        items.append(message_item(response_id, content or "", status_of(finish_reason), logprobs))
     for k, call in enumerate(calls or ()):
         items.append(function_call_item(response_id, k, call["id"], call["function"]["name"],
                                         call["function"]["arguments"], "completed"))
@@ -339,10 +341,17 @@ def message_id(response_id: str) -> str:
     return f"msg_{response_id.removeprefix('resp_')}"
 
 
-def message_item(response_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def message_item(response_id: str, text: str | None, status: str,
+                 logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": token_logprobs(logprobs or ())}]
     return {"id": message_id(response_id), "type": "message", "role": "assistant", "status": status,
             "content": content}
+
+
+def token_logprobs(logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """PURE: each token's logprob and its alternatives, as the Responses API writes them (chat's objects)."""
+    return list(chat_logprobs(logprobs)["content"])
 
 
 def function_call_item(response_id: str, k: int, call_id: str, name: str, arguments: str,
@@ -390,5 +399,5 @@ def responses_response(head: ResponseHeader, results: Sequence[ChoiceResult], us
                        tools: ToolPlan | None = None) -> dict[str, Any]:
     """A non-streamed response: its one generation's output items and the engine's usage."""
     result = results[0]
-    items = output_items(head.id, result.text, result.finish_reason, tools)
+    items = output_items(head.id, result.text, result.finish_reason, tools, result.logprobs)
     return response_object(head, status_of(result.finish_reason), items, usage, result.finish_reason)

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from tally_runtime.engine.base import Delta
+from tally_runtime.engine.base import Delta, TokenLogprob
 from tally_runtime.prepare import Job
 from tally_runtime.responses_api import (
     message_id,
@@ -24,6 +24,7 @@ from tally_runtime.responses_api import (
     output_items,
     response_object,
     status_of,
+    token_logprobs,
 )
 from tally_runtime.tools import GenericReply
 from tally_runtime.usage import ChoiceUsage
@@ -45,6 +46,7 @@ class ResponsesRenderer:
         self.sequence = 0
         self.out: list[bytes] = []
         self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []  # with `include` of the output text's logprobs
         self.finish_reason: str | None = None
         self.opened = False
         self.items: list[dict[str, Any]] = []
@@ -60,6 +62,8 @@ class ResponsesRenderer:
         self.sequence += 1
 
     def add(self, index: int, delta: Delta) -> None:
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
         if delta.text:
             self.text.append(delta.text)
             shown = delta.text if self.job.tools is None else self.reader.feed(delta.text) if self.reader else ""
@@ -67,7 +71,7 @@ class ResponsesRenderer:
                 self._open_message()
                 self.streamed += shown
                 self.emit("response.output_text.delta", item_id=message_id(self.head.id), output_index=0,
-                          content_index=0, delta=shown, logprobs=[])
+                          content_index=0, delta=shown, logprobs=token_logprobs(delta.logprobs or ()))
         if delta.finish_reason is not None:
             self.finish_reason = str(delta.finish_reason)
             self._close_items()
@@ -82,7 +86,7 @@ class ResponsesRenderer:
 
     def _close_items(self) -> None:
         text = "".join(self.text)
-        self.items = output_items(self.head.id, text, self.finish_reason, self.job.tools)
+        self.items = output_items(self.head.id, text, self.finish_reason, self.job.tools, self.logprobs)
         for k, item in enumerate(self.items):
             if item["type"] == "message":
                 self._open_message()
@@ -92,7 +96,7 @@ class ResponsesRenderer:
                               delta=whole[len(self.streamed):], logprobs=[])  # held until whole: the rest now
                 part = item["content"][0]
                 self.emit("response.output_text.done", item_id=item["id"], output_index=k, content_index=0,
-                          text=part["text"], logprobs=[])
+                          text=part["text"], logprobs=part["logprobs"])
                 self.emit("response.content_part.done", item_id=item["id"], output_index=k, content_index=0,
                           part=part)
             else:

@@ -322,3 +322,23 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context_and_disabled_
     used = served.json()["usage"]["input_tokens"]
     assert context - 8 - 400 < used <= context - 8, (used, context)  # as much as fits: one turn fewer would not
     assert served.json()["truncation"] == "auto"
+
+
+def test_include_logprobs_returns_each_output_tokens_logprob_streamed_or_not(client: openai.OpenAI, model: str) -> None:
+    """Issue 62, item 6: `include: ["message.output_text.logprobs"]` returned an empty list (and `top_logprobs` was
+    a 400). Each output token comes with its logprob and `top_logprobs` alternatives, as chat's do."""
+    reply = client.responses.create(model=model, input="Say hi", max_output_tokens=5, top_logprobs=2,
+                                    include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})
+    part = reply.output[0].content[0]  # type: ignore[union-attr]
+    assert reply.usage is not None and len(part.logprobs or []) == reply.usage.output_tokens == 5
+    assert all(len(lp.top_logprobs) >= 2 and lp.logprob <= 0 for lp in part.logprobs or [])
+    assert "".join(lp.token for lp in part.logprobs or []) == part.text
+    events = list(client.responses.create(model=model, input="Say hi", max_output_tokens=5, top_logprobs=1,
+                                          include=["message.output_text.logprobs"], stream=True,
+                                          extra_body={"ignore_eos": True}))
+    deltas = [lp for event in events if event.type == "response.output_text.delta" for lp in event.logprobs]
+    assert events[-1].type == "response.incomplete"  # cut at max_output_tokens, as asked
+    done = events[-1].response.output[0].content[0]  # type: ignore[union-attr]
+    assert len(deltas) == len(done.logprobs or []) == 5
+    plain = client.responses.create(model=model, input="Say hi", max_output_tokens=3)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
