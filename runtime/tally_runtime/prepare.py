@@ -13,7 +13,6 @@ prompt is the client's whole input and is tokenized as SGLang and vLLM do, speci
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -107,7 +106,6 @@ class Preparer:
         # One thread: tokenizers are not all safe to share between threads, and this is only for large inputs.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.controls = engine.control_tokens()
-        self._renders_calls: bool | None = None  # whether the model's chat template writes earlier tool calls
 
     async def completion(self, req: CompletionRequest) -> Job:
         self._check_common(req)
@@ -135,8 +133,6 @@ class Preparer:
             raise ApiError(400, f"{len(req.messages)} messages cannot fit the model's context of "
                                 f"{self.info.context_length} tokens", param="messages", code="context_length_exceeded")
         messages = [message_dict(m) for m in req.messages]
-        if any("tool_calls" in m for m in messages) and not self.template_renders_calls():
-            messages = [calls_as_content(m) for m in messages]  # else the model never sees what it called
         if tools is not None and tools.instructions is not None:  # the generic format: the model is shown it
             messages = with_system(messages, tools.instructions)
         shown = [t.model_dump(exclude_none=True) for t in req.tools] if tools is not None and req.tools else None
@@ -152,22 +148,6 @@ class Preparer:
         else:
             constraint = None if tools.schema is None else await self._check_schema(req, tools.schema, "tools")
         return self._job(CHAT, req, (ids,), (text,), max_tokens, logprobs, False, constraint, tools)
-
-    def template_renders_calls(self) -> bool:
-        """Whether the model's chat template writes an assistant's tool calls into the prompt: two conversations
-        that differ only in a call's arguments, rendered once (SmolLM2's ignores `tool_calls`: the model saw
-        only the tools' results). Llama.cpp's server detects a template's capabilities the same way."""
-        if self._renders_calls is None:
-            def probe(arguments: str) -> str:
-                call = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": arguments}}
-                return self.engine.render_chat([{"role": "user", "content": "hi"},
-                                                {"role": "assistant", "content": "", "tool_calls": [call]},
-                                                {"role": "tool", "tool_call_id": "call_0", "content": "ok"}], None)
-            try:
-                self._renders_calls = probe('{"value": 1}') != probe('{"value": 2}')
-            except Exception:  # a template that refuses the probe: leave the messages as the client sent them
-                self._renders_calls = True
-        return self._renders_calls
 
     async def _off_loop(self, size: int, work: Callable[[Any], T], argument: Any) -> T:
         if size <= INLINE_TOKENIZE_CHARS:
@@ -313,24 +293,6 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
-
-
-def calls_as_content(message: dict[str, Any]) -> dict[str, Any]:
-    """PURE: an assistant message's tool calls written into its content, as the generic format has the model
-    write them (`{"tool_calls": [{"name", "arguments"}]}`), for a template that would drop them; plain text,
-    so its arguments can spell no control token."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    written = []
-    for call in calls:
-        arguments = call["function"]["arguments"]
-        with contextlib.suppress(orjson.JSONDecodeError):  # else as the client sent it
-            arguments = orjson.loads(arguments)
-        written.append({"name": call["function"]["name"], "arguments": arguments})
-    text = orjson.dumps({"tool_calls": written}).decode()
-    content = f"{message['content']}\n{text}" if message.get("content") else text
-    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
 
 
 def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

@@ -290,32 +290,3 @@ def test_tools_with_a_structured_final_answer_give_calls_or_the_answer_and_every
     assert recorded(records, ids) == told  # every record written: /metrics counted them as it wrote them
     # (tokens: a streamed reply the SDK stopped reading at its cut counts as a request of another outcome)
     assert [a - b for a, b in zip(counted(url), before, strict=True)][1:] == told[1:]
-
-
-def test_the_model_sees_the_calls_it_made_earlier_in_the_conversation(url: str) -> None:
-    """Issue 62, item 2: SmolLM2's chat template ignores `tool_calls`, so the prompt was the same whatever an
-    earlier call's name or arguments (55 = 55 tokens): an agent's second turn could not know what it asked. The
-    runtime writes them into the assistant's turn as the generic format has the model write them."""
-    def prompt_tokens(name: str, arguments: str) -> int:
-        messages: Any = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
-        reply = client(url).chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=1,
-                                                    tools=TOOLS)
-        assert reply.usage is not None
-        return reply.usage.prompt_tokens
-
-    short = prompt_tokens("GetWeather", '{"city": "Paris", "unit": "celsius"}')
-    longer = prompt_tokens("GetWeather", '{"city": "Saint-Jean-de-Luz in the Pyrenees", "unit": "celsius"}')
-    other = prompt_tokens("LookUpTheWeatherForecastOfACity", '{"city": "Paris", "unit": "celsius"}')
-    assert longer > short and other > short
-    responses = httpx.post(f"{url}/v1/responses", timeout=60, json={
-        "model": "smollm2-135m-instruct", "max_output_tokens": 1, "input": [
-            {"role": "user", "content": "What is the weather in Paris?"},
-            {"type": "function_call", "call_id": "call_1", "name": "GetWeather",
-             "arguments": '{"city": "Saint-Jean-de-Luz in the Pyrenees", "unit": "celsius"}'},
-            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}],
-        "tools": [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
-                  for t in TOOLS]})
-    assert responses.status_code == 200, responses.text
-    assert responses.json()["usage"]["input_tokens"] > short
