@@ -46,6 +46,27 @@ def test_chart_lints_and_renders(kubectl: Kubectl) -> None:
     assert server.returncode == 0, server.stderr
 
 
+def test_without_its_crds_the_chart_says_how_to_apply_all_four_and_bad_names_are_refused(kubectl: Kubectl) -> None:
+    """Issue 63, item 4: with `crds.enabled=false` NOTES named 1 of the 4 CRDs, with an `https://...` placeholder;
+    the values schema accepted a `monitoringNamespace` and a `tokenSecret.name` no API server would."""
+    def helm(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["helm", *args], env=kubectl.env, capture_output=True, text=True)
+
+    notes = helm("install", "--dry-run=client", "t", str(CHART), "--set", "crds.enabled=false").stdout
+    notes = notes[notes.index("NOTES:"):]
+    names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in (CHART / "files" / "crds").glob("*.yaml")}
+    assert len(names) == 4 and all(name in notes for name in names) and "https://..." not in notes
+    command = notes[notes.index("helm template"):].split("|")[0].replace("\\\n", " ").replace("<this chart>",
+                                                                                               str(CHART))
+    rendered = helm(*command.split()[1:])
+    assert rendered.returncode == 0, rendered.stderr
+    assert {o["metadata"]["name"] for o in yaml.safe_load_all(rendered.stdout) if o} == names
+    for value in ("networkPolicy.monitoringNamespace=Monitoring_NS", "usageRecords.delivery.tokenSecret.name=a/b"):
+        refused = helm("template", "t", str(CHART), "--set", value)
+        assert refused.returncode != 0 and value.split("=")[0].split(".")[-1] in refused.stderr, refused.stderr
+    assert helm("template", "t", str(CHART), "--set", "networkPolicy.monitoringNamespace=monitoring").returncode == 0
+
+
 def test_with_an_existing_signing_key_the_chart_renders_the_same_every_time(kubectl: Kubectl) -> None:
     """GitOps tools render with `helm template`, where `lookup` finds nothing: the chart made a new signing key
     on every sync, restarting the operator and rolling every runtime pod. With signingKey.existingSecret it renders

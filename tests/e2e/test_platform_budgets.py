@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import secrets
+import subprocess
 import time
 from typing import Any
 
@@ -144,3 +145,20 @@ def test_a_serving_namespaces_edit_role_cannot_write_a_budget(operator: ChartOpe
     for verb in ("create", "update", "patch", "delete"):
         assert can(verb, "budgets.serving.tally.dev") == "no", verb
     assert can("update", "budgets.serving.tally.dev/status") == "no"
+
+
+def test_a_budget_naming_an_invalid_namespace_is_refused_by_the_api_server(operator: ChartOperator,
+                                                                          kubectl: Kubectl) -> None:
+    """Issue 63, item 4: a Budget accepted a namespace no namespace can have (it then covered nothing, silently)."""
+    def budget(namespace: str) -> str:
+        return json.dumps({"apiVersion": "serving.tally.dev/v1alpha1", "kind": "Budget",
+                           "metadata": {"name": "naming-check"},
+                           "spec": {"services": {"namespaces": [namespace]}, "tenants": [{"name": "a", "monthly": 1}]}})
+
+    def dry_run(namespace: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["kubectl", "apply", "--dry-run=server", "-f", "-"], input=budget(namespace),
+                              capture_output=True, text=True, env=kubectl.env, timeout=60)
+
+    refused = dry_run("Team_A")
+    assert refused.returncode != 0 and "spec.services.namespaces[0]" in refused.stderr, refused.stderr
+    assert dry_run("team-a").returncode == 0
