@@ -65,6 +65,13 @@ def test_without_its_crds_the_chart_says_how_to_apply_all_four_and_bad_names_are
         refused = helm("template", "t", str(CHART), "--set", value)
         assert refused.returncode != 0 and value.split("=")[0].split(".")[-1] in refused.stderr, refused.stderr
     assert helm("template", "t", str(CHART), "--set", "networkPolicy.monitoringNamespace=monitoring").returncode == 0
+    # An umbrella chart's global.imageRegistry was ignored: it goes before the operator image and the runtime image
+    objects = [o for o in yaml.safe_load_all(helm("template", "t", str(CHART), "--set",
+                                                  "global.imageRegistry=mirror.example.com/ml").stdout) if o]
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert pod["image"].startswith("mirror.example.com/ml/tally-operator:")
+    runtime = next(e["value"] for e in pod["env"] if e["name"] == "TALLY_OPERATOR_RUNTIME_IMAGE")
+    assert runtime.startswith("mirror.example.com/ml/tally-runtime:")
 
 
 def test_with_an_existing_signing_key_the_chart_renders_the_same_every_time(kubectl: Kubectl) -> None:

@@ -132,10 +132,26 @@ helm.sh/chart: {{ include "tally-operator.chart" . }}
 {{- end -}}
 {{- end -}}
 
-{{/* The operator image: [registry/]repository:tag[@digest]. */}}
+{{/* An umbrella chart's global.imageRegistry ("" when none). */}}
+{{- define "tally-operator.globalRegistry" -}}
+{{- trimSuffix "/" ((.Values.global | default dict).imageRegistry | default "") -}}
+{{- end -}}
+
+{{/* The operator image: [registry/]repository:tag[@digest]; image.registry, else global.imageRegistry. */}}
 {{- define "tally-operator.image" -}}
 {{- $i := .Values.image -}}
-{{- $repo := ternary (printf "%s/%s" (trimSuffix "/" $i.registry) $i.repository) $i.repository (ne $i.registry "") -}}
+{{- $registry := $i.registry | default (include "tally-operator.globalRegistry" .) -}}
+{{- $repo := ternary (printf "%s/%s" (trimSuffix "/" $registry) $i.repository) $i.repository (ne $registry "") -}}
 {{- $ref := printf "%s:%s" $repo ($i.tag | default .Chart.AppVersion) -}}
 {{- if $i.digest }}{{ printf "%s@%s" $ref $i.digest }}{{ else }}{{ $ref }}{{ end -}}
+{{- end -}}
+
+{{/* The runtime image: runtimeImage, with global.imageRegistry put before it when it names no registry of its own
+(its first path part has no dot, colon or "localhost"), as a Docker reference reads it. */}}
+{{- define "tally-operator.runtimeImage" -}}
+{{- $image := .Values.runtimeImage -}}
+{{- $registry := include "tally-operator.globalRegistry" . -}}
+{{- $first := splitList "/" $image | first -}}
+{{- $hasRegistry := and (gt (len (splitList "/" $image)) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- if and $registry (not $hasRegistry) }}{{ printf "%s/%s" $registry $image }}{{ else }}{{ $image }}{{ end -}}
 {{- end -}}

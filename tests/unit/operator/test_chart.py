@@ -119,6 +119,8 @@ def test_every_named_crd_field_is_described() -> None:
 def test_every_dashboard_panel_says_what_it_shows_and_names_its_series() -> None:
     dashboard = json.loads((CHART / "monitoring" / "dashboard.json").read_text())
     assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "namespace", "service"}
+    # a query variable lists what exists when the time range moves (without `refresh`, only what it found once)
+    assert all(v.get("refresh") == 2 for v in dashboard["templating"]["list"] if v["type"] == "query")
     for panel in dashboard["panels"]:
         assert panel.get("description"), panel["title"]
         for target in panel["targets"]:
