@@ -136,6 +136,8 @@ class Activator:
         self._opening = asyncio.Semaphore(FORWARDS_OPENING)
         self._held_changed = asyncio.Event()
         self.relaying = 0  # requests sent on to a pod whose responses are not over yet
+        self.stopping = False  # shutting down: every request, new or held, gets a 503 to retry (never a 500)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, for a stop signalled from outside it
         self.in_hand = 0  # requests whose body is being read, held, or sent on until the pod's response head
 
     # ---- the queue
@@ -172,6 +174,9 @@ class Activator:
             self._prober = asyncio.create_task(self._probe_until_empty())
         try:
             await asyncio.wait_for(asyncio.shield(ticket), self.settings.hold_seconds)
+            if self.stopping:
+                raise Refusal(503, f"The activator of {self.settings.service} is shutting down; retry",
+                              "shutting_down", retry_after=1)
         except TimeoutError:
             self.metrics.requests.labels("timeout").inc()
             raise Refusal(503, f"No pod of {self.settings.service} became ready within "
@@ -184,6 +189,14 @@ class Activator:
             if not ticket.done():
                 ticket.cancel()
             self._changed()
+
+    def stop(self) -> None:
+        """Shutting down: the held requests end now with a 503 to retry (the Service points at a pod or at the
+        next activator), and none is held or sent from here on."""
+        self.stopping = True
+        for ticket in self.waiting:
+            if not ticket.done():
+                ticket.set_result(None)
 
     def _changed(self) -> None:
         self.metrics.held.set(self.held)
@@ -236,6 +249,9 @@ class Activator:
                          pool_metrics.render(self.settings.picker_model, self.held, self.relaying, CacheLoad()))
             return
         try:
+            if self.stopping:
+                raise Refusal(503, f"The activator of {self.settings.service} is shutting down; retry", "shutting_down",
+                              retry_after=1)
             await self._relay(scope, receive, send)
         except ClientGone:
             return
@@ -248,8 +264,10 @@ class Activator:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                self.loop = asyncio.get_running_loop()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self.stop()
                 await self.client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -302,7 +320,7 @@ class Activator:
         """The pod's response head (its body still to come)."""
         try:
             response = await self._while_connected(self._send(request), receive)
-        except httpx.HTTPError as err:
+        except (httpx.HTTPError, RuntimeError) as err:  # RuntimeError: the client closed as the process stops
             self.metrics.requests.labels("upstream_error").inc()
             raise Refusal(503, f"The pod of {self.settings.service} could not be reached ({type(err).__name__}); "
                                "retry", "service_starting", retry_after=1) from None
@@ -443,11 +461,23 @@ def main(argv: Sequence[str]) -> None:
                               settings.max_connections, settings.max_connections_per_client,
                               authenticated_ports=frozenset({settings.port}))
     protocol = bounded_protocol(MAX_HEAD_BYTES, HEAD_SECONDS, BODY_SECONDS, connections)
-    config = uvicorn.Config(Activator(settings), log_level="warning", access_log=False, lifespan="on", http=protocol,
+    activator = Activator(settings)
+    config = uvicorn.Config(activator, log_level="warning", access_log=False, lifespan="on", http=protocol,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=5)
     log.info("Activator for %s: holding up to %d requests for %gs, forwarding to %s", settings.service,
              settings.max_held, settings.hold_seconds, settings.backend)
-    uvicorn.Server(config).run(sockets=sockets)
+    server = uvicorn.Server(config)
+    handle_exit = server.handle_exit
+
+    def stop_then_exit(sig: int, frame: Any) -> None:
+        """SIGTERM: the held requests get their 503 now, inside uvicorn's graceful window (they were cut off
+        at its end, a 500 to the client), then uvicorn stops as usual."""
+        if activator.loop is not None and not activator.loop.is_closed():
+            activator.loop.call_soon_threadsafe(activator.stop)
+        handle_exit(sig, frame)
+
+    server.handle_exit = stop_then_exit  # type: ignore[method-assign]
+    server.run(sockets=sockets)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from runtime_harness import activator, free_port, metric_value, runtime_process, until
+from runtime_harness import activator, activator_process, free_port, metric_value, runtime_process, until
 
 MODEL = "smollm2-135m-instruct"
 STREAMS = 8
@@ -129,6 +129,31 @@ def test_a_request_held_past_its_time_gets_a_503_envelope_with_retry_after(tmp_p
         with pytest.raises(openai.InternalServerError):  # the SDK sees an ordinary 503
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).completions.create(
                 model=MODEL, prompt="Hi", max_tokens=4)
+
+
+def test_a_stopping_activator_answers_its_held_requests_503_to_retry_never_500(tmp_path: Path) -> None:
+    """Issue 63, item 4: a request held when the activator stopped got a 500 (uvicorn's graceful window ended
+    with it still held, then the pod's client was closed under it). SIGTERM now answers every held request at
+    once with a 503 to retry, which the SDKs retry (the Service then points at a pod, or the next activator)."""
+    import signal
+
+    with activator_process(tmp_path, free_port(), "--hold-seconds", "120") as (url, metrics, proc):
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)))
+            for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        assert until(lambda: held(metrics) == 3, 30)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+        assert len(answers) == 3 and time.monotonic() - started < 5  # within uvicorn's graceful window
+        for answer in answers:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "shutting_down" and answer.headers["retry-after"] == "1"
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught once stopped
 
 
 def test_a_full_queue_refuses_at_once_and_a_client_that_leaves_while_held_leaves_it(tmp_path: Path) -> None:

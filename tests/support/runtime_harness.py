@@ -168,6 +168,14 @@ class HealthWatch:
 
 @contextmanager
 def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[str, str]]:
+    with activator_process(tmp_path, backend_port, *flags) as (url, metrics, _):
+        yield url, metrics
+
+
+@contextmanager
+def activator_process(tmp_path: Path, backend_port: int, *flags: str
+                      ) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    """`tally-runtime activate` in its own process: its API URL, its metrics URL, and the process."""
     port, metrics = free_port(), free_port()
     log = tmp_path / f"activator-{port}.log"
     with log.open("wb") as out:
@@ -177,6 +185,6 @@ def activator(tmp_path: Path, backend_port: int, *flags: str) -> Iterator[tuple[
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
     try:
         wait_healthy(f"http://127.0.0.1:{metrics}", proc, log, deadline=60)
-        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}", proc
     finally:
         terminate(proc)
