@@ -5,6 +5,8 @@ Prometheus; with `--since`, the usage of a period: the difference from a snapsho
     kubectl get completionservices,usageshards -A -o json | tally-usage --since 2026-12.json
     (a service deleted in the period is refused: what it booked after the snapshot is in neither input)
     kubectl get completionservices,usageshards -A -o json | tally-usage --tenant acme   # one tenant's lines
+    kubectl get completionservices,usageshards -A -o json | tally-usage --namespace team-a --csv > usage.csv
+    (services whose tenants are in UsageShards missing from the input are refused, exit 1: never an empty bill)
     kubectl get budgets,budgetshards -o json | tally-usage       # each tenant's month under each Budget
 
 The ledger's totals only rise while a CompletionService exists, so the difference of two snapshots of one
@@ -16,6 +18,7 @@ Reading is pure (`rows`, `period`); only `main` reads files and prints.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -69,6 +72,22 @@ def rows(document: Mapping[str, Any]) -> list[Row]:
                 summed[(*key, str(tenant))] = tuple(a + b for a, b in zip(before, line, strict=True))
     return [Row(namespace, service, uid, tenant, counts)
             for (namespace, service, uid, tenant), counts in sorted(summed.items())]
+
+
+def unread(document: Mapping[str, Any]) -> list[str]:
+    """Services whose status says their tenants are in UsageShards (`tenantCount` above 0) with none of those in
+    the input: `kubectl get completionservices -o json` alone, the command before the shards, read as no usage at
+    all (an empty table, exit 0: a billing job written to it billed zero)."""
+    items = document.get("items") if document.get("kind", "").endswith("List") else [document]
+    items = [item for item in items if isinstance(item, Mapping)] if isinstance(items, list) else []
+    owners = {_owner(item.get("metadata") or {}) for item in items if item.get("kind") == "UsageShard"}
+    missing = []
+    for item in items:
+        meta, usage = item.get("metadata") or {}, (item.get("status") or {}).get("usage") or {}
+        if item.get("kind") == "CompletionService" and "shardKey" in usage and _count(usage.get("tenantCount")) \
+                and str(meta.get("uid", "")) not in owners:
+            missing.append(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
+    return sorted(missing)
 
 
 def _owner(meta: Mapping[str, Any]) -> str:
@@ -163,13 +182,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ignore-deleted", action="store_true",
                         help="with --since: leave out services deleted in the period (named on standard error)")
     parser.add_argument("--tenant", help="only this tenant's lines")
-    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    parser.add_argument("--namespace", action="append", metavar="NS", help="only these namespaces' services "
+                        "(repeatable)")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    shape.add_argument("--csv", action="store_true", help="CSV with a header row instead of a table")
     args = parser.parse_args(argv)
     try:
         document = _load(args.input)
+        _check_read(document, args.input)
         found, months = rows(document), budget_rows(document)
         if args.since:
-            start = rows(_load(args.since))
+            earlier = _load(args.since)
+            _check_read(earlier, args.since)
+            start = rows(earlier)
             found = period(found, start, args.ignore_deleted)
             left = sorted({f"{r.namespace}/{r.service}" for r in start} - {f"{r.namespace}/{r.service}" for r in found})
             if left:
@@ -177,9 +203,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tenant is not None:
             found = [row for row in found if row.tenant == args.tenant]
             months = [month for month in months if month.tenant == args.tenant]
+        if args.namespace:
+            found = [row for row in found if row.namespace in args.namespace]
     except (ReportError, OSError) as err:
         print(f"tally-usage: {err}", file=sys.stderr)
         return 1
+    if args.csv:
+        out = csv.writer(sys.stdout, lineterminator="\n")
+        if found or not months:
+            out.writerow(("namespace", "service", "tenant", *FIELDS))
+            out.writerows((r.namespace, r.service, r.tenant, *r.counts) for r in found)
+        if months:
+            out.writerow(("budgetObject", "period", "tenant", *BUDGET_FIELDS))
+            out.writerows((m.budget, m.period, m.tenant, *m.counts) for m in months)
+        return 0
     if args.json:
         for row in found:
             print(json.dumps({"namespace": row.namespace, "service": row.service, "tenant": row.tenant,
@@ -195,6 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print([("NAMESPACE", "SERVICE", "TENANT", "REQUESTS", "PROMPT", "COMPLETION", "CACHED"),
             *((r.namespace, r.service, r.tenant, *map(str, r.counts)) for r in found)], 3)
     return 0
+
+
+def _check_read(document: Mapping[str, Any], path: str) -> None:
+    missing = unread(document)
+    if missing:
+        named = ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else "")
+        raise ReportError(f"{path}: the tenants of {len(missing)} service(s) ({named}) are in their UsageShards, "
+                          "which this input does not hold: give `kubectl get completionservices,usageshards -A -o "
+                          "json`")
 
 
 def _print(table: Sequence[tuple[str, ...]], text_columns: int) -> None:

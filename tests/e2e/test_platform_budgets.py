@@ -162,3 +162,26 @@ def test_a_budget_naming_an_invalid_namespace_is_refused_by_the_api_server(opera
     refused = dry_run("Team_A")
     assert refused.returncode != 0 and "spec.services.namespaces[0]" in refused.stderr, refused.stderr
     assert dry_run("team-a").returncode == 0
+
+
+def test_a_billing_job_bound_to_usage_view_reads_every_namespaces_ledger_and_nothing_else(
+        operator: ChartOperator, kube: Kubectl, namespace: str) -> None:
+    """Issue 63, item 1: no role let a billing engineer read UsageShards across namespaces (where `tally-usage`
+    reads the tenants). The chart's `-usage-view` ClusterRole, bound cluster-wide, reads CompletionServices and
+    UsageShards everywhere and writes nothing; it reads no Secret and no Budget."""
+    account = f"system:serviceaccount:{namespace}:billing"
+    binding = f"billing-{namespace}"
+    kube("create", "clusterrolebinding", binding, "--clusterrole=tally-operator-usage-view",
+         f"--serviceaccount={namespace}:billing")
+    try:
+        def can(verb: str, resource: str) -> str:
+            return kube("auth", "can-i", verb, resource, "--all-namespaces", f"--as={account}", check=False).strip()
+
+        eventually(lambda: can("list", "usageshards.serving.tally.dev") == "yes", 30, interval=0.5,
+                   what="the binding in force")
+        assert can("list", "completionservices.serving.tally.dev") == "yes"
+        for verb, resource in (("create", "usageshards.serving.tally.dev"), ("patch", "completionservices"),
+                               ("get", "secrets"), ("list", "budgets.serving.tally.dev")):
+            assert can(verb, resource) == "no", (verb, resource)
+    finally:
+        kube("delete", "clusterrolebinding", binding, check=False)

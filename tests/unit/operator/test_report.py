@@ -112,3 +112,36 @@ def test_a_sharded_service_is_read_from_its_usage_shards_and_one_tenant_at_a_gla
     assert main([str(path), "--tenant", "zeta"]) == 0
     assert [line.split() for line in capsys.readouterr().out.splitlines()[1:]] == [
         ["team", "chat", "zeta", "2", "2", "20", "0"]]
+
+
+def test_services_without_their_usage_shards_are_refused_never_billed_zero_and_csv_by_namespace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 63, item 1: last round's documented `kubectl get completionservices -A -o json | tally-usage` printed an
+    empty table and exited 0 once the tenants moved to UsageShards (a billing job billed zero). No CSV, no
+    namespace filter."""
+    from tally_operator.shard_store import shard_object
+    from tally_operator.shards import Shard
+    from tally_operator.usage import Ledger
+
+    def sharded(uid: str, namespace: str, tenants: dict[str, tuple[int, int, int, int]]) -> list[dict[str, Any]]:
+        meta = {"namespace": namespace, "name": "chat", "uid": uid}
+        obj = {**service(uid, {}), "metadata": meta,
+               "status": {"usage": {"shardKey": "k", "tenantCount": len(tenants)}}}
+        return [obj, shard_object(meta, 0, {"usage": service(uid, tenants)["status"]["usage"]}, Shard(Ledger(), "1"))]
+
+    a, b = sharded("u1", "team-a", {"acme": (1, 10, 20, 0)}), sharded("u2", "team-b", {"zeta": (2, 5, 5, 1)})
+    services_only = tmp_path / "services.json"
+    services_only.write_text(json.dumps(listing(a[0], b[0])))
+    assert main([str(services_only)]) == 1
+    err = capsys.readouterr().err
+    assert "team-a/chat" in err and "team-b/chat" in err and "usageshards" in err
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(listing(*a, *b)))
+    assert main([str(whole), "--since", str(services_only)]) == 1  # a snapshot without its shards too
+    capsys.readouterr()
+    assert main([str(whole), "--namespace", "team-b", "--csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "namespace,service,tenant,requests,promptTokens,completionTokens,cachedTokens", "team-b,chat,zeta,2,5,5,1"]
+    empty = tmp_path / "empty.json"  # a service with no tenant yet has no shard: nothing is missing
+    empty.write_text(json.dumps(listing({**a[0], "status": {"usage": {"shardKey": "k", "tenantCount": 0}}})))
+    assert main([str(empty), "--csv"]) == 0
