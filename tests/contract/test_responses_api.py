@@ -342,3 +342,57 @@ def test_include_logprobs_returns_each_output_tokens_logprob_streamed_or_not(cli
     assert len(deltas) == len(done.logprobs or []) == 5
     plain = client.responses.create(model=model, input="Say hi", max_output_tokens=3)
     assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
+def test_an_agent_with_a_handoff_two_tools_and_an_output_type_runs_end_to_end_billed_exactly(
+        url: str, records: Path) -> None:
+    """Issue 62's agent: a triage agent hands off to one with two function tools and a pydantic `output_type`; the
+    handoff (a tool call the SDK turns into the next agent), the tool calls and the typed final answer all go
+    through Tally's Responses route, and every model call is billed to the tenant exactly as the SDK summed it."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    set_tracing_disabled(True)
+    called: list[str] = []
+
+    class Forecast(BaseModel):
+        city: str
+        summary: str
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(f"weather:{city}")
+        return f"Sunny, 21 C in {city}"
+
+    @function_tool
+    def get_time(city: str) -> str:
+        """The local time in a city."""
+        called.append(f"time:{city}")
+        return f"It is 14:00 in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                default_headers={"X-Tally-Tenant": "agents-handoff"})
+    model = OpenAIResponsesModel("smollm2-135m-instruct", client)
+    settings = ModelSettings(tool_choice="required", temperature=0, max_tokens=120)
+    weather = Agent(name="weather", instructions="Answer questions about the weather using the tools.",
+                    tools=[get_weather, get_time], output_type=Forecast, model=model, model_settings=settings)
+    triage = Agent(name="triage", instructions="Hand weather questions to the weather agent.", handoffs=[weather],
+                   model=model, model_settings=settings)
+    result = asyncio.run(Runner.run(triage, "What is the weather in Paris?", max_turns=8))
+    assert result.last_agent.name == "weather" and called, called
+    assert isinstance(result.final_output, Forecast), result.final_output
+    ids = [str(r.response_id) for r in result.raw_responses]
+    usage = result.context_wrapper.usage
+
+    def written() -> list[dict[str, Any]]:
+        found = [r for r in map(json.loads, records.read_text().splitlines()) if r["id"] in ids]
+        return found if len(found) == len(ids) else []
+
+    assert until(written, 30), "a model call's usage record was not written"
+    mine = written()
+    assert {(r["tenant"], r["outcome"]) for r in mine} == {("agents-handoff", "ok")} and len(mine) >= 3
+    assert (sum(r["prompt_tokens"] for r in mine), sum(r["completion_tokens"] for r in mine)) == \
+        (usage.input_tokens, usage.output_tokens)
