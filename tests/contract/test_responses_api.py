@@ -52,6 +52,16 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
+def records_of(records: Path, ids: list[str]) -> list[dict[str, Any]]:
+    """The usage records of these responses (each is written as its request closes, just after the response)."""
+    def written() -> list[dict[str, Any]]:
+        found = [r for r in map(json.loads, records.read_text().splitlines()) if r["id"] in ids]
+        return found if len(found) == len(ids) else []
+
+    assert until(written, 30), "a model call's usage record was not written"
+    return written()
+
+
 class Books:
     """What the clients were told, response by response."""
 
@@ -187,12 +197,7 @@ def test_an_agent_with_a_function_tool_runs_end_to_end_billed_to_its_tenant(url:
     ids = [str(r.response_id) for r in result.raw_responses]
     usage = result.context_wrapper.usage
     assert usage.requests == len(ids) >= 2
-    def written() -> list[dict[str, Any]]:  # a record is written as its request closes, just after the response
-        found = [r for r in map(json.loads, records.read_text().splitlines()) if r["id"] in ids]
-        return found if len(found) == len(ids) else []
-
-    assert until(written, 30), "a model call's usage record was not written"
-    mine = written()
+    mine = records_of(records, ids)
     assert {(r["tenant"], r["endpoint"], r["outcome"]) for r in mine} == {("agents", "responses", "ok")}
     assert (len(mine), sum(r["prompt_tokens"] for r in mine), sum(r["completion_tokens"] for r in mine)) == \
         (len(ids), usage.input_tokens, usage.output_tokens)
@@ -292,12 +297,7 @@ def test_an_agent_with_a_tool_and_a_pydantic_output_type_runs_end_to_end_billed_
     ids = [str(r.response_id) for r in result.raw_responses]
     usage = result.context_wrapper.usage
 
-    def written() -> list[dict[str, Any]]:
-        found = [r for r in map(json.loads, records.read_text().splitlines()) if r["id"] in ids]
-        return found if len(found) == len(ids) else []
-
-    assert until(written, 30), "a model call's usage record was not written"
-    mine = written()
+    mine = records_of(records, ids)
     assert {(r["tenant"], r["outcome"]) for r in mine} == {("agents-typed", "ok")}
     assert (len(mine), sum(r["prompt_tokens"] for r in mine), sum(r["completion_tokens"] for r in mine)) == \
         (len(ids), usage.input_tokens, usage.output_tokens)
@@ -387,12 +387,7 @@ def test_an_agent_with_a_handoff_two_tools_and_an_output_type_runs_end_to_end_bi
     ids = [str(r.response_id) for r in result.raw_responses]
     usage = result.context_wrapper.usage
 
-    def written() -> list[dict[str, Any]]:
-        found = [r for r in map(json.loads, records.read_text().splitlines()) if r["id"] in ids]
-        return found if len(found) == len(ids) else []
-
-    assert until(written, 30), "a model call's usage record was not written"
-    mine = written()
+    mine = records_of(records, ids)
     assert {(r["tenant"], r["outcome"]) for r in mine} == {("agents-handoff", "ok")} and len(mine) >= 3
     assert (sum(r["prompt_tokens"] for r in mine), sum(r["completion_tokens"] for r in mine)) == \
         (usage.input_tokens, usage.output_tokens)

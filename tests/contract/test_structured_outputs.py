@@ -160,6 +160,21 @@ class GetTime(BaseModel):
 
 
 TOOLS = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+
+
+def reply_or_cut(url: str, kwargs: Any, streamed: bool, kinds: set[str]) -> Any:
+    """One completion through the SDK's helpers; a reply cut at max_tokens (which the SDK will not parse) as it
+    came, with `cut` added to `kinds` (streamed, its usage is None: the SDK stopped before the usage chunk)."""
+    try:
+        return completed(url, kwargs, streamed=streamed)
+    except openai.LengthFinishReasonError as cut:
+        kinds.add("cut")
+        return cut.completion
+
+
+def validate_calls(calls: Any) -> None:
+    for call in calls:
+        {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name].model_validate_json(call.function.arguments)
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -223,21 +238,15 @@ def test_tool_choice_auto_answers_in_the_generic_format_calls_or_text_and_every_
     for i in range(8):
         kwargs: Any = {"model": "smollm2-135m-instruct", "messages": asks[i % 2], "tools": TOOLS,
                        "max_tokens": 120, "temperature": 0.8, "parallel_tool_calls": False}
-        try:
-            reply = completed(url, kwargs, streamed=i % 4 >= 2)
-        except openai.LengthFinishReasonError as cut:  # the SDK will not parse a reply cut at max_tokens
-            reply = cut.completion
-            kinds.add("cut")
-            if reply.usage is None:  # streamed: the SDK stopped before the usage chunk; its record says
-                unread.append(reply.id)
-                ids.append(reply.id)
-                continue
+        reply = reply_or_cut(url, kwargs, i % 4 >= 2, kinds)
+        if reply.usage is None:  # streamed and cut: the SDK stopped before the usage chunk; its record says
+            unread.append(reply.id)
+            ids.append(reply.id)
+            continue
         choice_ = reply.choices[0]
         if choice_.finish_reason == "tool_calls":
             kinds.add("calls")
-            for call in choice_.message.tool_calls or []:
-                model = {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name]
-                model.model_validate_json(call.function.arguments)
+            validate_calls(choice_.message.tool_calls or [])
         else:
             kinds.add("text")
             assert choice_.finish_reason in ("stop", "length") and choice_.message.content is not None
@@ -263,21 +272,15 @@ def test_tools_with_a_structured_final_answer_give_calls_or_the_answer_and_every
     for i in range(8):
         kwargs: Any = {"model": "smollm2-135m-instruct", "messages": ASK if i % 2 else MESSAGES, "tools": TOOLS,
                        "response_format": City, "max_tokens": 160, "temperature": 0.8}
-        try:
-            reply = completed(url, kwargs, streamed=i % 4 >= 2)
-        except openai.LengthFinishReasonError as cut:
-            reply = cut.completion
-            kinds.add("cut")
-            if reply.usage is None:
-                unread.append(reply.id)
-                ids.append(reply.id)
-                continue
+        reply = reply_or_cut(url, kwargs, i % 4 >= 2, kinds)
+        if reply.usage is None:
+            unread.append(reply.id)
+            ids.append(reply.id)
+            continue
         choice_ = reply.choices[0]
         if choice_.finish_reason == "tool_calls":
             kinds.add("calls")
-            for call in choice_.message.tool_calls or []:
-                {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name].model_validate_json(
-                    call.function.arguments)
+            validate_calls(choice_.message.tool_calls or [])
         elif choice_.finish_reason == "stop":
             kinds.add("answer")
             assert isinstance(choice_.message.parsed, City), choice_.message.content
