@@ -33,17 +33,42 @@ MAX_READ_BYTES = 8 << 20
 CONTENT_TYPE = "application/cloudevents-batch+json"
 
 
+MAX_TOKENS = 2**31 - 1  # a count above this in one record is no request's (a context is far smaller)
+COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
+
+
 def forwardable(answer: Mapping[str, Any], namespace: str, name: str) -> tuple[list[Any], int]:
-    """PURE: the events of a pod's answer that are its service's to forward, and how many were not (left out)."""
+    """PURE: the events of a pod's answer that are its service's to forward, and how many were not (left out). An
+    event the pod could not vouch for (`verified` false: written before its runtime restarted, or appended by a
+    shell in the pod) must also read as a record of this service could: its `data` names this service (or, as
+    records before those fields did, none), its tenant is its subject, and its counts are whole numbers a request
+    can have (a forged line claimed another team's namespace and -5,000,000 and +9,000,000,000 tokens)."""
     prefix = f"/namespaces/{namespace}/completionservices/{name}/pods/"
     events, foreign = [], 0
     for item in answer.get("records") or []:
         event = item.get("event") if isinstance(item, Mapping) else None
-        if isinstance(event, Mapping) and str(event.get("source", "")).startswith(prefix) and event.get("id"):
+        if isinstance(event, Mapping) and str(event.get("source", "")).startswith(prefix) and event.get("id") and \
+                (item.get("verified") is True or plausible(event, namespace, name)):
             events.append(event)
         else:
             foreign += 1
     return events, foreign
+
+
+def plausible(event: Mapping[str, Any], namespace: str, name: str) -> bool:
+    """PURE: whether an unverified event reads as a usage record of this service (see `forwardable`)."""
+    data = event.get("data")
+    if not isinstance(data, Mapping) or (data.get("namespace"), data.get("service")) not in {(namespace, name),
+                                                                                          ("", "")}:
+        return False
+    if not isinstance(data.get("tenant"), str) or event.get("subject") != data["tenant"]:
+        return False
+    counts = [value for value in (data.get(field) for field in COUNTS)
+              if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS]
+    if len(counts) != len(COUNTS):
+        return False
+    prompt, completion, cached, reasoning = counts
+    return cached <= prompt and reasoning <= completion
 
 
 class Forwarder:
@@ -114,8 +139,8 @@ async def collect(forwarder: Forwarder, signer: Signer, per_call_seconds: float,
                 break
             events, foreign = forwardable(answer, meta["namespace"], meta["name"])
             if foreign:
-                log.warning("Pod %s of %s/%s returned %d record(s) of another service: not forwarded", uid,
-                            meta["namespace"], meta["name"], foreign)
+                log.warning("Pod %s of %s/%s returned %d record(s) of another service, or unverified ones that "
+                            "cannot be its records: not forwarded", uid, meta["namespace"], meta["name"], foreign)
             if answer.get("from") == answer.get("through"):
                 break
             try:

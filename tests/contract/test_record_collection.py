@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -66,11 +67,34 @@ def test_the_operator_forwards_what_the_pods_kept_and_only_then_they_reclaim_it(
 def test_records_of_another_service_are_not_forwarded() -> None:
     from tally_operator.collector import forwardable
 
-    answer = {"records": [{"event": {"id": "a", "source": SOURCE}},
-                          {"event": {"id": "b", "source": "/namespaces/other/completionservices/x/pods/y"}},
-                          {"event": {"source": SOURCE}}, "junk"]}
+    answer = {"records": [{"event": {"id": "a", "source": SOURCE}, "verified": True},
+                          {"event": {"id": "b", "source": "/namespaces/other/completionservices/x/pods/y"},
+                           "verified": True},
+                          {"event": {"source": SOURCE}, "verified": True}, "junk"]}
     events, foreign = forwardable(answer, "team", "chat")
     assert [e["id"] for e in events] == ["a"] and foreign == 3
+
+
+def test_an_unverified_record_is_forwarded_only_if_it_could_be_this_services() -> None:
+    """Issue 61, item 2: after two SIGTERMs from a shell in the pod, lines appended to the spool came back as
+    `verified: false` and were forwarded with the platform's token because their `source` was the pod's: one
+    named another team's namespace, others -5,000,000 and +9,000,000,000 completion tokens. An unverified event
+    (a restarted runtime's earlier records are, too) must read as a record of this service could."""
+    from tally_operator.collector import forwardable
+
+    def record(event_id: str, **data: Any) -> dict[str, Any]:
+        body = {"namespace": "team", "service": "chat", "tenant": "acme", "prompt_tokens": 10,
+                "completion_tokens": 5, "cached_tokens": 2, "reasoning_tokens": 0, **data}
+        return {"event": {"id": event_id, "source": SOURCE, "subject": body["tenant"], "data": body},
+                "verified": False}
+
+    forged = [record("other-team", namespace="team-b"), record("minus", completion_tokens=-5_000_000),
+              record("huge", completion_tokens=9_000_000_000), record("float", prompt_tokens=1.5),
+              record("more-cached", cached_tokens=11), {**record("subject"), "event": {
+                  **record("subject")["event"], "subject": "someone-else"}}]
+    legit = [record("ok"), record("older", namespace="", service="")]  # records from before those fields
+    events, left_out = forwardable({"records": [*forged, *legit]}, "team", "chat")
+    assert [e["id"] for e in events] == ["ok", "older"] and left_out == len(forged)
 
 
 def test_the_operator_reaches_a_billing_system_behind_a_private_ca_and_through_a_proxy(tmp_path: Path,
